@@ -1,0 +1,211 @@
+"""Typed configuration and its validation. Every problem raises ConfigError
+naming the offending field; ``StoreConfig.from_dict`` takes the TOML shape."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Mapping
+
+from .codecs import DTYPES, get_codec
+from .errors import ConfigError
+from .grouping import DISK, GPU, HOST, Layout, split_quota
+from .layers import LayerSpec, build_life_cycles, parse_layer_ids
+from .policy import ReusePolicy
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any, field: str) -> int:
+    """``"8GiB"``, ``"1.5 GB"``, ``4096`` -> bytes (a positive integer)."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"invalid size {value!r}")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(field, f"invalid size {value!r} (use e.g. 4096, \"512MiB\", \"8GiB\")")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(field, f"invalid size {value!r}")
+    if n <= 0:
+        raise ConfigError(field, f"must be positive, got {value!r}")
+    return n
+
+
+def _positive_int(value: Any, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(slots=True)
+class TierConfig:
+    """One tier's capacity: a byte ``quota`` split across its pool groups, or
+    an explicit ``slots`` count per pool group (handy for experiments)."""
+
+    quota: int | str | None = None
+    slots: int | None = None
+
+    def resolve(self, field: str) -> None:
+        if self.quota is None and self.slots is None:
+            raise ConfigError(f"{field}.quota", "set quota or slots")
+        if self.quota is not None:
+            self.quota = parse_size(self.quota, f"{field}.quota")
+        if self.slots is not None:
+            _positive_int(self.slots, f"{field}.slots")
+
+
+@dataclasses.dataclass(slots=True)
+class GpuConfig(TierConfig):
+    device: str = "auto"            # "auto", "cuda", "cuda:N", "cpu" (emulated)
+
+
+@dataclasses.dataclass(slots=True)
+class HostConfig(TierConfig):
+    codec: str = "concat"           # default cold-page codec of layers that name none
+    pinned: bool | None = None      # None: pinned exactly when CUDA is used
+
+
+@dataclasses.dataclass(slots=True)
+class DiskConfig(TierConfig):
+    path: str = ""
+    on_mismatch: str = "error"      # "error" or "wipe" when the directory holds another layout
+    o_direct: str = "auto"          # "auto" (probe), "on", "off"
+    min_free: int | str | None = None   # keep this much free on the filesystem
+    fsync: bool = True              # durability barriers; off only for throwaway experiments
+
+
+@dataclasses.dataclass(slots=True)
+class StoreConfig:
+    layers: list[LayerSpec]
+    gpu: GpuConfig
+    host: HostConfig | None = None
+    disk: DiskConfig | None = None
+    tokens_per_block: int = 32
+    hash_salt: bytes = b""
+    default_priority: int = 35
+    persist_on_close: bool = True   # spill committed GPU/host pages to disk at close
+    layout: Layout = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _positive_int(self.tokens_per_block, "tokens_per_block")
+        if not isinstance(self.default_priority, int) or not 0 <= self.default_priority <= 100:
+            raise ConfigError("default_priority", "must be an integer in 0..100")
+        default_codec = self.host.codec if self.host else "concat"
+        get_codec(default_codec, "tiers.host.codec")
+        self.layers = [l if l.codec else dataclasses.replace(l, codec=default_codec) for l in self.layers]
+        lcs = build_life_cycles(self.layers)
+        for lc in lcs:
+            if lc.dtype not in DTYPES:
+                raise ConfigError(f"layers[{lc.layers[0].id}].dtype",
+                                  f"unknown dtype {lc.dtype!r} (expected one of {', '.join(DTYPES)})")
+            get_codec(lc.codec, f"layers[{lc.layers[0].id}].codec").check(lc)
+        self.gpu.resolve("tiers.gpu")
+        if self.gpu.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.gpu.device):
+            raise ConfigError("tiers.gpu.device", f"unknown device {self.gpu.device!r} (auto, cuda, cuda:N, cpu)")
+        if self.host is not None:
+            self.host.resolve("tiers.host")
+        if self.disk is not None:
+            self.disk.resolve("tiers.disk")
+            if not self.disk.path:
+                raise ConfigError("tiers.disk.path", "a directory is required")
+            if not os.path.isdir(self.disk.path):
+                raise ConfigError("tiers.disk.path", f"directory {self.disk.path!r} does not exist")
+            if self.disk.on_mismatch not in ("error", "wipe"):
+                raise ConfigError("tiers.disk.on_mismatch", f"expected 'error' or 'wipe', got {self.disk.on_mismatch!r}")
+            if self.disk.o_direct not in ("auto", "on", "off"):
+                raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {self.disk.o_direct!r}")
+            if self.disk.min_free is not None:
+                self.disk.min_free = parse_size(self.disk.min_free, "tiers.disk.min_free")
+        self.layout = Layout.build(lcs)
+        for tier in self.tiers():
+            self.slots_per_group(tier)     # validates that every group gets a slot
+
+    def tiers(self) -> list[str]:
+        return [t for t, c in ((GPU, self.gpu), (HOST, self.host), (DISK, self.disk)) if c is not None]
+
+    def tier_config(self, tier: str) -> TierConfig | None:
+        return {GPU: self.gpu, HOST: self.host, DISK: self.disk}[tier]
+
+    def slots_per_group(self, tier: str) -> list[int]:
+        cfg = self.tier_config(tier)
+        groups = self.layout.groups[tier]
+        if cfg is None:
+            return [0] * len(groups)
+        if cfg.slots is not None:
+            return [cfg.slots] * len(groups)
+        return split_quota(cfg.quota, groups, self.layout.life_cycles, f"tiers.{tier}.quota")
+
+    # -- TOML shape -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base_dir: str = ".") -> "StoreConfig":
+        d = dict(d)
+        _reject_unknown(d, {"tokens_per_block", "layers", "tiers", "hash_salt", "default_priority",
+                            "persist_on_close"}, "")
+        tiers = dict(d.pop("tiers", None) or {})
+        _reject_unknown(tiers, {GPU, HOST, DISK}, "tiers.")
+        if GPU not in tiers:
+            raise ConfigError("tiers.gpu", "the gpu tier is required")
+        gpu = _tier(GpuConfig, tiers[GPU], "tiers.gpu")
+        host = _tier(HostConfig, tiers[HOST], "tiers.host") if HOST in tiers else None
+        disk = _tier(DiskConfig, tiers[DISK], "tiers.disk") if DISK in tiers else None
+        if disk is not None and disk.path:
+            disk.path = os.path.join(base_dir, os.path.expanduser(disk.path))
+        raw_layers = d.pop("layers", None)
+        if not isinstance(raw_layers, list) or not raw_layers:
+            raise ConfigError("layers", "at least one [[layers]] entry is required")
+        layers: list[LayerSpec] = []
+        for n, entry in enumerate(raw_layers):
+            layers.extend(_layers(entry, f"layers[{n}]"))
+        salt = d.pop("hash_salt", "")
+        if not isinstance(salt, str):
+            raise ConfigError("hash_salt", "must be a string")
+        return cls(layers=layers, gpu=gpu, host=host, disk=disk, hash_salt=salt.encode(), **d)
+
+
+def _reject_unknown(d: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
+    for k in d:
+        if k not in allowed:
+            raise ConfigError(f"{prefix}{k}", f"unknown field (expected one of {', '.join(sorted(allowed))})")
+
+
+def _tier(cls, raw: Any, field: str):
+    if not isinstance(raw, Mapping):
+        raise ConfigError(field, "must be a table")
+    names = {f.name for f in dataclasses.fields(cls)}
+    _reject_unknown(raw, names, field + ".")
+    return cls(**raw)
+
+
+def _layers(entry: Any, field: str) -> list[LayerSpec]:
+    if not isinstance(entry, Mapping):
+        raise ConfigError(field, "must be a table")
+    allowed = {"ids", "kind", "buffers", "window_tokens", "sink_tokens", "reuse", "sparsity", "codec", "dtype"}
+    _reject_unknown(entry, allowed, field + ".")
+    if "ids" not in entry:
+        raise ConfigError(f"{field}.ids", "required")
+    buffers = entry.get("buffers")
+    if not isinstance(buffers, Mapping) or not buffers:
+        raise ConfigError(f"{field}.buffers", "a table of role = bytes per block is required")
+    bufs = tuple((str(r), b) for r, b in buffers.items())
+    for r, b in bufs:
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ConfigError(f"{field}.buffers.{r}", f"bytes per block must be a positive integer, got {b!r}")
+    common = dict(
+        buffers=bufs,
+        kind=entry.get("kind", "attention"),
+        window_tokens=entry.get("window_tokens"),
+        sink_tokens=entry.get("sink_tokens", 0),
+        reuse=ReusePolicy.parse(entry.get("reuse", "required"), f"{field}.reuse"),
+        sparsity=entry.get("sparsity"),
+        codec=entry.get("codec", ""),
+        dtype=entry.get("dtype", "float16"),
+    )
+    for name in ("window_tokens", "sink_tokens"):
+        v = common[name]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"{field}.{name}", f"must be an integer, got {v!r}")
+    return [LayerSpec(id=i, **common) for i in parse_layer_ids(entry["ids"], f"{field}.ids")]

@@ -1,0 +1,37 @@
+"""Slab pools for the GPU and host tiers.
+
+A pool group's memory is one ``[slots, page_bytes]`` uint8 tensor: slot k of
+every pool is row k, and each pool is a column slice of it. A page is thus one
+contiguous row, so a batch of pages moves with one gather and one scatter.
+``pool_view`` gives the ``[slots, slot_bytes]`` tensor a kernel indexes by slot.
+"""
+from __future__ import annotations
+
+import torch
+
+from .device import Device
+from .grouping import GPU, PoolGroupSpec
+from .slots import SlotAllocator
+
+
+class SlabPool:
+    __slots__ = ("spec", "tensor", "allocator", "offsets")
+
+    def __init__(self, spec: PoolGroupSpec, slots: int, device: Device) -> None:
+        self.spec = spec
+        alloc = device.empty if spec.tier == GPU else device.host_empty
+        self.tensor = alloc(slots, spec.slot_bytes)
+        self.allocator = SlotAllocator(slots)
+        offs, o = [], 0
+        for size in spec.slot_sizes:
+            offs.append(o)
+            o += size
+        self.offsets = tuple(offs)
+
+    @property
+    def slots(self) -> int:
+        return self.allocator.capacity
+
+    def pool_view(self, pool: int) -> torch.Tensor:
+        off = self.offsets[pool]
+        return self.tensor[:, off:off + self.spec.slot_sizes[pool]]

@@ -1,0 +1,223 @@
+"""Streams and ready events, on CUDA and emulated.
+
+The contract both kinds keep: work submitted to a stream runs in order and
+asynchronously to the caller; ``submit`` returns an event that completes when
+that work is done (carrying its exception, if any); ``wait_event`` makes the
+stream's later work wait for an event; events can be queried, synchronized,
+and told to call back (from another thread) when done, which is what the
+asyncio bridge in ``runtime.readiness`` builds on.
+
+The emulated kind runs each stream's work on one worker thread, so torch ops
+release the GIL and never run on the event loop. CUDA streams run the issuing
+function on the caller's thread inside ``torch.cuda.stream``; completion
+callbacks come from one waiter thread per stream, which synchronizes that
+stream's events in the order they were recorded.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Optional
+
+import torch
+
+Callback = Callable[[Optional[BaseException]], None]
+
+
+class Event:
+    __slots__ = ()
+
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def add_done_callback(self, cb: Callback) -> None: ...
+
+    @property
+    def error(self) -> BaseException | None:
+        return None
+
+
+class HostEvent(Event):
+    """A point on a host stream (or a plain completion flag)."""
+
+    __slots__ = ("_flag", "_error", "_callbacks", "_lock")
+
+    def __init__(self, done: bool = False) -> None:
+        self._flag = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callback] = []
+        self._lock = threading.Lock()
+        if done:
+            self._flag.set()
+
+    def set(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._flag.is_set():
+                return
+            self._error = error
+            self._flag.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(error)
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if not self._flag.wait(timeout):
+            raise TimeoutError("event not done in time")
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, cb: Callback) -> None:
+        with self._lock:
+            if not self._flag.is_set():
+                self._callbacks.append(cb)
+                return
+        cb(self._error)
+
+
+DONE = HostEvent(done=True)
+
+
+class HostStream:
+    """An ordered queue of work on one worker thread."""
+
+    kind = "host"
+    __slots__ = ("name", "_queue", "_thread", "_closed")
+
+    def __init__(self, name: str = "kvtier-stream") -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, ev = item
+            try:
+                fn()
+            except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
+                if ev is None:
+                    continue
+                ev.set(exc)
+            else:
+                if ev is not None:
+                    ev.set()
+
+    def submit(self, fn: Callable[[], None]) -> HostEvent:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        ev = HostEvent()
+        self._queue.put((fn, ev))
+        return ev
+
+    def record(self) -> HostEvent:
+        return self.submit(lambda: None)
+
+    def can_wait(self, ev: Event) -> bool:
+        return True
+
+    def wait_event(self, ev: Event) -> None:
+        if not ev.query():
+            self._queue.put((ev.synchronize, None))
+
+    def synchronize(self) -> None:
+        self.record().synchronize()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
+
+class CudaEvent(Event):
+    __slots__ = ("_event", "_stream", "_error")
+
+    def __init__(self, event: "torch.cuda.Event", stream: "CudaStream") -> None:
+        self._event = event
+        self._stream = stream
+        self._error = None
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def add_done_callback(self, cb: Callback) -> None:
+        self._stream._waiter.put((self._event, cb))
+
+
+class CudaStream:
+    """A ``torch.cuda.Stream`` with the HostStream contract."""
+
+    kind = "cuda"
+    __slots__ = ("name", "stream", "device", "_waiter", "_thread")
+
+    def __init__(self, device: torch.device, name: str = "kvtier-cuda") -> None:
+        self.name = name
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._waiter: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait_loop, name=name + "-waiter", daemon=True)
+        self._thread.start()
+
+    def _wait_loop(self) -> None:
+        torch.cuda.set_device(self.device)
+        while True:
+            item = self._waiter.get()
+            if item is None:
+                return
+            event, cb = item
+            error = None
+            try:
+                event.synchronize()
+            except BaseException as exc:   # noqa: BLE001
+                error = exc
+            cb(error)
+
+    def submit(self, fn: Callable[[], None]) -> Event:
+        with torch.cuda.stream(self.stream):
+            try:
+                fn()
+            except BaseException as exc:   # noqa: BLE001 - surfaced like a failed host-stream job
+                return _failed(exc)
+        return self.record()
+
+    def record(self) -> CudaEvent:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return CudaEvent(ev, self)
+
+    def can_wait(self, ev: Event) -> bool:
+        """Host events would block the issuing thread; the engine awaits them first."""
+        return isinstance(ev, CudaEvent) or ev.query()
+
+    def wait_event(self, ev: Event) -> None:
+        if isinstance(ev, CudaEvent):
+            self.stream.wait_event(ev._event)
+        else:
+            ev.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self._waiter.put(None)
+        self._thread.join()
+
+
+def _failed(exc: BaseException) -> HostEvent:
+    ev = HostEvent()
+    ev.set(exc)
+    return ev
+
+
+Stream = HostStream | CudaStream
