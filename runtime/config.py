@@ -1,0 +1,25 @@
+"""Loading a TOML config file into a validated StoreConfig."""
+from __future__ import annotations
+
+import os
+import sys
+
+from tiers.config import StoreConfig
+from tiers.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:   # pragma: no cover
+    import tomli as tomllib
+
+
+def load_config(path: str | os.PathLike) -> StoreConfig:
+    """Relative disk paths resolve against the config file's directory."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("config", f"file {os.fspath(path)!r} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{os.fspath(path)}: invalid TOML: {exc}") from None
+    return StoreConfig.from_dict(data, base_dir=os.path.dirname(os.path.abspath(path)))

@@ -1,0 +1,50 @@
+"""Block keys: chained content hashes, stable across processes.
+
+``key[i] = blake2b(key[i-1] || tokens of block i || salt)`` (16-byte digest).
+Callers may pass precomputed keys instead (ints, like the Mooncake trace's
+``hash_ids``, or bytes); they must already be chained.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+from tiers.errors import UsageError
+
+BlockKey = int | bytes
+
+
+def hash_blocks(tokens: Sequence[int], tokens_per_block: int, salt: bytes = b"",
+                parent: bytes = b"") -> list[bytes]:
+    """Keys of every full block of ``tokens``, chained from ``parent``."""
+    try:
+        arr = np.asarray(tokens, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise UsageError("tokens must be a sequence of integers") from None
+    if arr.ndim != 1:
+        raise UsageError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    raw = arr.astype("<i8").tobytes()
+    width = tokens_per_block * 8
+    keys, prev = [], parent
+    for i in range(len(arr) // tokens_per_block):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(raw[i * width:(i + 1) * width])
+        h.update(salt)
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def check_block_keys(keys: Sequence[BlockKey]) -> list[BlockKey]:
+    """Validate caller-supplied keys: all ints or all bytes, no bools."""
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+        raise UsageError(f"block_keys must be a sequence of int or bytes keys, got {type(keys).__name__}")
+    out = list(keys)
+    for k in out:
+        if isinstance(k, bool) or not isinstance(k, (int, bytes)):
+            raise UsageError(f"block key {k!r} is a {type(k).__name__}; keys are int or bytes")
+    if out and len({type(k) for k in out}) > 1:
+        raise UsageError("block_keys mixes int and bytes keys")
+    return out

@@ -1,0 +1,195 @@
+"""The data path of page migration: one batch per (source tier, source group,
+destination group), run as stages on copy and I/O streams.
+
+GPU <-> host runs on the device's copy streams (one each way, so both
+directions overlap); the codec runs on the GPU side, so only cold bytes cross
+the bus. Disk stages run on host I/O streams (one for writes, one for reads).
+Each stage is one job whose event the engine awaits through the readiness
+bridge; the last stage's event is the batch's event, stamped by the caller on
+both the destination page and the freed source slot.
+
+Bookkeeping (which page owns which slot, claims, eviction) stays in the Store;
+this module only moves bytes and counts them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from tiers.codecs import Codec, get_codec
+from tiers.device import Device
+from tiers.layers import LifeCycle
+from tiers.streams import Event, HostStream
+
+from .pages import DISK, GPU, HOST, TIER_NAMES, Page
+from .readiness import wait_event, wait_events
+from .stats import MoveStats
+
+try:
+    from tiers.disk import PageRecord
+except ImportError:   # pragma: no cover - tiers.disk lands with the disk tier
+    PageRecord = None
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(row offset, first slot, length) of each run of consecutive slots."""
+    out, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            out.append((start, slots[start], i - start))
+            start = i
+    return out
+
+
+def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Rows ``slots`` of ``src`` as a new tensor on ``device``."""
+    if src.device == device:
+        return src.index_select(0, torch.as_tensor(slots, dtype=torch.long, device=device))
+    out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device,
+                      pin_memory=device.type == "cpu" and src.is_cuda)
+    for off, first, n in _runs(slots):
+        out[off:off + n].copy_(src[first:first + n], non_blocking=True)
+    return out
+
+
+def scatter(dst: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
+    """``dst[slots] = rows``, across devices by runs of consecutive slots."""
+    if dst.device == rows.device:
+        dst.index_copy_(0, torch.as_tensor(slots, dtype=torch.long, device=dst.device), rows)
+        return
+    for off, first, n in _runs(slots):
+        dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
+
+
+class MigrationEngine:
+    __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write",
+                 "io_read", "stats", "fault")
+
+    def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
+                 cold_bytes: Sequence[int]) -> None:
+        self.device = device
+        self.cold_bytes = list(cold_bytes)   # slot bytes of each cold (host/disk) group
+        self.lcs = lcs
+        self.codecs: list[Codec] = [get_codec(lc.codec) for lc in lcs]
+        self.gpu = gpu                   # [SlabPool] per GPU group
+        self.host = host                 # [SlabPool] per host group
+        self.disk = disk                 # DiskTier or None
+        self.down = device.new_stream("kvtier-d2h")
+        self.up = device.new_stream("kvtier-h2d")
+        self.io_write = HostStream("kvtier-disk-write")
+        self.io_read = HostStream("kvtier-disk-read")
+        self.stats = MoveStats()
+        self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
+
+    def close(self) -> None:
+        for s in (self.down, self.up, self.io_write, self.io_read):
+            s.close()
+
+    # -- codec helpers ----------------------------------------------------------
+    def _convert(self, rows: torch.Tensor, lcs: list[int], encode: bool, width: int) -> torch.Tensor:
+        first = lcs[0]
+        if all(l == first for l in lcs):
+            c = self.codecs[first]
+            return c.encode(rows, self.lcs[first]) if encode else c.decode(rows, self.lcs[first])
+        out = torch.empty((rows.shape[0], width), dtype=torch.uint8, device=rows.device)
+        for lc in set(lcs):
+            idx = torch.as_tensor([i for i, l in enumerate(lcs) if l == lc], device=rows.device)
+            c = self.codecs[lc]
+            part = rows.index_select(0, idx)
+            out.index_copy_(0, idx, c.encode(part, self.lcs[lc]) if encode else c.decode(part, self.lcs[lc]))
+        return out
+
+    # -- one batch --------------------------------------------------------------
+    async def run(self, pages: Sequence[Page], dst_tier: int, dst_group: int, dst_slots: Sequence[int],
+                  fences: Sequence[Event | None]) -> Event:
+        """Move ``pages`` (one source tier and group, sorted by source slot)
+        into ``dst_slots`` (ascending). ``fences`` are the events a writer of
+        the destination slots must wait for. Returns the batch's event."""
+        src_tier, src_group = pages[0].tier, pages[0].group
+        src_slots = [p.slot for p in pages]
+        lcs = [p.lc for p in pages]
+        deps = [p.ready for p in pages] + list(fences)
+        t0 = time.perf_counter()
+        if self.fault is not None:
+            self.fault(src_tier, dst_tier)
+        dev = self.device.torch_device
+        host_dev = torch.device("cpu")
+        pin = self.device.is_cuda
+
+        if src_tier == GPU:
+            hot = self.gpu[src_group]
+            cold_bytes = self.cold_bytes[dst_group]
+            if dst_tier == HOST:
+                dst = self.host[dst_group].tensor
+
+                def job() -> None:
+                    rows = gather(hot.tensor, src_slots, dev)
+                    scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
+                ev = await self._stage(self.down, job, deps)
+            else:
+                staging: list[torch.Tensor] = []
+
+                def job() -> None:
+                    rows = self._convert(gather(hot.tensor, src_slots, dev), lcs, True, cold_bytes)
+                    staging.append(rows if rows.device == host_dev else gather(rows, range(len(src_slots)), host_dev))
+                await self._stage(self.down, job, deps)
+                ev = await self._stage(self.io_write, lambda: self.disk.write(
+                    dst_group, list(dst_slots), staging[0], self._records(pages)), [])
+        elif src_tier == HOST:
+            src = self.host[src_group].tensor
+            if dst_tier == GPU:
+                dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
+
+                def job() -> None:
+                    rows = gather(src, src_slots, dev)
+                    scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
+                ev = await self._stage(self.up, job, deps)
+            else:
+                ev = await self._stage(self.io_write, lambda: self.disk.write(
+                    dst_group, list(dst_slots), gather(src, src_slots, host_dev), self._records(pages)), deps)
+        else:   # DISK source
+            width = self.cold_bytes[src_group]
+            staging = torch.empty((len(pages), width), dtype=torch.uint8, pin_memory=pin)
+            read_deps = [p.ready for p in pages]
+            if dst_tier == HOST:
+                dst = self.host[dst_group].tensor
+
+                def job() -> None:
+                    self.disk.read(src_group, src_slots, staging)
+                    scatter(dst, dst_slots, staging)
+                ev = await self._stage(self.io_read, job, read_deps + list(fences))
+            else:
+                dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
+                await self._stage(self.io_read, lambda: self.disk.read(src_group, src_slots, staging), read_deps)
+
+                def job() -> None:
+                    rows = gather(staging, range(len(pages)), dev)
+                    scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
+                ev = await self._stage(self.up, job, list(fences))
+        nbytes = len(pages) * self._dst_width(dst_tier, dst_group)
+        self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], len(pages), nbytes, time.perf_counter() - t0)
+        return ev
+
+    async def _stage(self, stream, job: Callable[[], None], deps: Sequence[Event | None]) -> Event:
+        pending = [e for e in deps if e is not None and not e.query()]
+        await wait_events(e for e in pending if not stream.can_wait(e))
+        for e in pending:
+            if stream.can_wait(e):
+                stream.wait_event(e)
+        ev = stream.submit(job)
+        await wait_event(ev)
+        return ev
+
+    def _records(self, pages: Sequence[Page]) -> list:
+        out = []
+        for p in pages:
+            b = p.block
+            key = b.key if p.published else None      # unpublished pages are never recovered
+            out.append(PageRecord(key=key, parent=b.parent.key if b.parent is not None else None,
+                                  depth=b.depth, life_cycle=p.lc, priority=p.priority))
+        return out
+
+    def _dst_width(self, tier: int, group: int) -> int:
+        return self.gpu[group].spec.slot_bytes if tier == GPU else self.cold_bytes[group]

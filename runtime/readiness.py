@@ -1,0 +1,51 @@
+"""The bridge from stream events to asyncio.
+
+An event's done-callback fires on a worker (or CUDA waiter) thread and hands
+the result to the loop with ``call_soon_threadsafe``: no polling, no thread
+per page, one callback per batch event.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable
+
+from tiers.streams import Event
+
+
+def event_future(ev: Event, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future:
+    loop = loop or asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def _settle(error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def _done(error: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, error)
+        except RuntimeError:    # loop closed: nobody is waiting any more
+            pass
+
+    ev.add_done_callback(_done)
+    return fut
+
+
+async def wait_event(ev: Event | None) -> None:
+    """Await one event (a done event returns at once, raising its error)."""
+    if ev is None:
+        return
+    if ev.query():
+        if ev.error is not None:
+            raise ev.error
+        return
+    await event_future(ev)
+
+
+async def wait_events(events: Iterable[Event | None]) -> None:
+    pending = {id(e): e for e in events if e is not None}
+    for ev in pending.values():
+        await wait_event(ev)

@@ -1,0 +1,130 @@
+"""A sequence: one request's view of the store (its blocks and their pages)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence as Seq
+
+from tiers.errors import StoreClosedError, UsageError
+
+from .keys import BlockKey, check_block_keys, hash_blocks
+from .pages import GPU, Block, Page
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+class Sequence:
+    """Returned by ``Store.open_sequence``. Methods mirror DESIGN.md §3; the
+    store does the work, this object holds the sequence's state."""
+
+    __slots__ = ("store", "keys", "tokens", "blocks", "pages", "priority", "matched_blocks", "matched_by_tier",
+                 "committed", "acquired", "closed", "busy", "recompute")
+
+    def __init__(self, store: "Store", keys: list[BlockKey], tokens: list[int] | None, priority: int) -> None:
+        self.store = store
+        self.keys = keys
+        self.tokens = tokens                    # kept only to hash later blocks (append)
+        self.blocks: list[Block] = []
+        self.pages: list[list[Page | None]] = []   # per block, per life cycle
+        self.priority = priority
+        self.matched_blocks = 0
+        self.matched_by_tier = {"gpu": 0, "host": 0, "disk": 0}
+        self.committed = 0
+        self.acquired = False
+        self.closed = False
+        self.busy = False
+        self.recompute: set[tuple[int, int]] = set()   # (block, life cycle) pages with no cached data
+
+    # -- state checks -------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreClosedError("sequence is closed")
+        if self.store.closed:
+            raise StoreClosedError("store is closed")
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks with pages (matched + extended)."""
+        return len(self.blocks)
+
+    # -- public API -----------------------------------------------------------------
+    def append(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None) -> None:
+        """Make more blocks committable: generated tokens, or their block keys."""
+        self._check_open()
+        if (tokens is None) == (block_keys is None):
+            raise UsageError("pass exactly one of tokens= or block_keys=")
+        if block_keys is not None:
+            keys = check_block_keys(block_keys)
+            if keys and self.keys and type(keys[0]) is not type(self.keys[0]):
+                raise UsageError("appended block keys must have the same type as the sequence's")
+            if self.tokens is not None:
+                raise UsageError("this sequence was opened with tokens; append tokens")
+            self.keys.extend(keys)
+            return
+        if self.tokens is None:
+            raise UsageError("this sequence was opened with block_keys; append block_keys")
+        self.tokens.extend(int(t) for t in tokens)
+        tpb = self.store.cfg.tokens_per_block
+        done = len(self.keys)
+        parent = self.keys[-1] if self.keys else b""
+        self.keys.extend(hash_blocks(self.tokens[done * tpb:], tpb, self.store.cfg.hash_salt, parent))
+
+    async def extend(self, num_blocks: int) -> None:
+        """New GPU pages for ``num_blocks`` blocks after the current ones."""
+        self._check_open()
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        await self.store._run_exclusive(self, self.store._extend(self, num_blocks), self.store._undo_extend)
+
+    async def acquire(self, stream=None) -> None:
+        """Bring every page the next step needs to the GPU, locked and ready.
+        With a CUDA ``stream``, that stream is also made to wait on the pages'
+        ready events (the copies have completed when this returns anyway)."""
+        self._check_open()
+        await self.store._run_exclusive(self, self.store._acquire(self), self.store._undo_acquire)
+        if stream is not None:
+            self.store._stream_wait(self, stream)
+
+    def page_indices(self, layer_id: int) -> list[int]:
+        """GPU slot per block for ``layer_id``'s pools (-1: no GPU page)."""
+        lc = self.store._lc_of_layer(layer_id)
+        return [p.slot if p is not None and p.tier == GPU and not p.dead else -1 for p in (b[lc] for b in self.pages)]
+
+    def recompute_blocks(self, layer_id: int) -> list[int]:
+        """Blocks whose pages for ``layer_id`` hold no cached data (an
+        ``OPTIONAL`` page that was not present): the caller recomputes them."""
+        lc = self.store._lc_of_layer(layer_id)
+        return sorted(b for b, l in self.recompute if l == lc)
+
+    def commit(self, num_blocks: int) -> None:
+        """Publish the first ``num_blocks`` full blocks for reuse."""
+        self._check_open()
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        if num_blocks > len(self.blocks):
+            raise UsageError(f"cannot commit {num_blocks} blocks: only {len(self.blocks)} have pages")
+        if num_blocks > len(self.keys):
+            raise UsageError(f"cannot commit {num_blocks} blocks: only {len(self.keys)} have keys "
+                             "(append the tokens first)")
+        self.store._commit(self, num_blocks)
+
+    async def release(self, stream=None) -> None:
+        """Unlock: pages become HELD (demotable, never dropped)."""
+        self._check_open()
+        if self.busy:
+            raise UsageError("release while an acquire or extend of this sequence is running")
+        self.store._release(self, stream)
+
+    async def close(self) -> None:
+        """Committed pages become DROPPABLE; the others are freed."""
+        if self.closed:
+            raise StoreClosedError("sequence is already closed")
+        if self.busy:
+            raise UsageError("close while an acquire or extend of this sequence is running")
+        self.store._close_sequence(self)
+
+    async def __aenter__(self) -> "Sequence":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if not self.closed and not self.store.closed:
+            await self.close()

@@ -1,0 +1,830 @@
+"""The Store: pages of every tier, the prefix index, eviction and the
+claims that keep concurrent moves consistent. All bookkeeping runs on the
+event loop (no locks needed); bytes move on streams (runtime.migration).
+
+Invariants the code keeps:
+- every live page is owned by exactly one slot of one tier (``owners``);
+- a page with ``moving`` set is claimed by one in-flight operation and is in
+  no eviction queue; its waiters await that future (one move per page);
+- a queue holds exactly the pages that may be evicted from its (tier, group):
+  unlocked, not moving, and in the last tier also published and unheld;
+- every prefix-critical page of an indexed block is present (dropping one
+  drops the block's subtree), so matching only checks the other pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any, Awaitable, Callable, Sequence as Seq
+
+from tiers.config import StoreConfig
+from tiers.device import Device
+from tiers.errors import OutOfPagesError, StoreClosedError, UsageError
+from tiers.grouping import Layout
+from tiers.pools import SlabPool
+from tiers.policy import ReusePolicy
+from tiers.slots import SlotAllocator
+
+from .eviction import EvictionQueue
+from .keys import BlockKey, check_block_keys, hash_blocks
+from .migration import MigrationEngine
+from .pages import DISK, GPU, HOST, TIER_NAMES, Block, Page
+from .readiness import wait_events
+from .sequence import Sequence
+
+log = logging.getLogger("kvtier")
+
+
+class Store:
+    def __init__(self, cfg: StoreConfig) -> None:
+        self.cfg = cfg
+        self.layout: Layout = cfg.layout
+        self.lcs = self.layout.life_cycles
+        self.tpb = cfg.tokens_per_block
+        self.closed = False
+        self.started = False
+        self.tier_ids = [t for t, name in enumerate(TIER_NAMES) if name in cfg.tiers()]
+        self.next_tier = {t: (self.tier_ids[i + 1] if i + 1 < len(self.tier_ids) else None)
+                          for i, t in enumerate(self.tier_ids)}
+        self.last_tier = self.tier_ids[-1]
+        self.group_of = [[self.layout.group_map(name).get(lc.index, -1) for lc in self.lcs] for name in TIER_NAMES]
+        self.layer_lc: dict[int, int] = {}
+        self.pool_index: dict[tuple[int, str], int] = {}
+        for lc in self.lcs:
+            for i, (layer, role, _) in enumerate(lc.buffers):
+                self.layer_lc[layer] = lc.index
+                self.pool_index[(layer, role)] = i
+        # windowed/ssm REQUIRED life cycles: the only pages a match must look at
+        self.check_lcs = [lc for lc in self.lcs if lc.reuse is ReusePolicy.REQUIRED
+                          and (lc.window_tokens is not None or lc.kind == "ssm")]
+        self.nodes: dict[BlockKey, Block] = {}
+        self.clock = 0
+        self.hits = collections.Counter()
+        self.lookup_blocks = 0
+        self.drops = 0
+        self.recovered = 0
+        self.discarded = 0
+        self._tasks: set[asyncio.Task] = set()
+        self.device: Device | None = None
+        self.disk = None
+        self.engine: MigrationEngine | None = None
+
+    # -- life of the store ------------------------------------------------------------
+    @classmethod
+    def open(cls, cfg: StoreConfig) -> "Store":
+        """``async with Store.open(cfg) as store`` (or ``store = await Store.open(cfg)``)."""
+        return cls(cfg)
+
+    def __await__(self):
+        return self._started().__await__()
+
+    async def _started(self) -> "Store":
+        await self.start()
+        return self
+
+    async def __aenter__(self) -> "Store":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self.started:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._build)
+        self.started = True
+        if self.disk is not None:
+            self._index_recovered()
+
+    def _build(self) -> None:
+        """Allocate slabs and open the disk tier (blocking: run off the loop)."""
+        cfg = self.cfg
+        host_cfg = cfg.host
+        self.device = Device(cfg.gpu.device, host_cfg.pinned if host_cfg else None)
+        n = {name: cfg.slots_per_group(name) for name in TIER_NAMES}
+        gpu = [SlabPool(g, s, self.device) for g, s in zip(self.layout.groups["gpu"], n["gpu"])]
+        host = [SlabPool(g, s, self.device) for g, s in zip(self.layout.groups["host"], n["host"])] \
+            if host_cfg is not None else []
+        cold_bytes = [g.slot_bytes for g in self.layout.groups["host"]]
+        if cfg.disk is not None:
+            from tiers.disk import DiskTier
+            d = cfg.disk
+            self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb), list(zip(cold_bytes, n["disk"])),
+                                      on_mismatch=d.on_mismatch, o_direct=d.o_direct, min_free=d.min_free,
+                                      fsync=d.fsync)
+        self.slabs = [gpu, host]
+        self.allocs: list[list[SlotAllocator]] = [
+            [p.allocator for p in gpu], [p.allocator for p in host],
+            [SlotAllocator(s) for s in n["disk"]] if cfg.disk is not None else []]
+        self.owners: list[list[list[Page | None]]] = [[[None] * a.capacity for a in t] for t in self.allocs]
+        self.queues = [[EvictionQueue() for _ in t] for t in self.allocs]
+        self.engine = MigrationEngine(self.device, self.lcs, gpu, host, self.disk, cold_bytes)
+
+    async def close(self) -> None:
+        """Wait for in-flight moves, optionally persist, release everything."""
+        if self.closed:
+            return
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self.started and self.disk is not None and self.cfg.persist_on_close:
+            try:
+                await self._persist()
+            except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
+                log.warning("persisting pages at close failed: %s", exc)
+        self.closed = True
+        if self.started:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        self.engine.close()
+        if self.disk is not None:
+            self.disk.close()
+        for tier in self.owners:
+            for owners in tier:
+                for i in range(len(owners)):
+                    owners[i] = None
+        self.nodes.clear()
+
+    def _check(self) -> None:
+        if self.closed:
+            raise StoreClosedError("store is closed")
+        if not self.started:
+            raise UsageError("store is not started: use `async with Store.open(cfg)`")
+
+    # -- public queries -------------------------------------------------------------------
+    def pool_tensor(self, layer_id: int, role: str):
+        """The GPU pool ``[slots, bytes]`` a kernel indexes by ``page_indices``."""
+        self._check()
+        lc = self._lc_of_layer(layer_id)
+        try:
+            pool = self.pool_index[(layer_id, role)]
+        except KeyError:
+            raise UsageError(f"layer {layer_id} has no buffer {role!r}") from None
+        return self.slabs[GPU][self.group_of[GPU][lc]].pool_view(pool)
+
+    def pool_groups(self, tier: str) -> dict[int, int]:
+        """Life cycle index -> pool group index in ``tier``."""
+        if tier not in TIER_NAMES:
+            raise UsageError(f"unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})")
+        return self.layout.group_map(tier)
+
+    def _lc_of_layer(self, layer_id: int) -> int:
+        try:
+            return self.layer_lc[layer_id]
+        except KeyError:
+            raise UsageError(f"unknown layer id {layer_id!r}") from None
+
+    # -- sequences -------------------------------------------------------------------------
+    async def open_sequence(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None,
+                            priority: int | None = None) -> Sequence:
+        self._check()
+        if (tokens is None) == (block_keys is None):
+            raise UsageError("pass exactly one of tokens= or block_keys=")
+        if priority is None:
+            priority = self.cfg.default_priority
+        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
+            raise UsageError(f"priority must be an integer in 0..100, got {priority!r}")
+        if tokens is not None:
+            token_list = [int(t) for t in tokens]
+            keys = hash_blocks(token_list, self.tpb, self.cfg.hash_salt)
+        else:
+            token_list, keys = None, check_block_keys(block_keys)
+        seq = Sequence(self, keys, token_list, priority)
+        path = self._match(keys)
+        seq.matched_blocks = len(path)
+        seq.blocks = list(path)
+        by_tier = collections.Counter()
+        held = []
+        for node in path:
+            row = [p if p is not None and not p.dead else None for p in node.pages]
+            seq.pages.append(row)
+            coldest = -1
+            for p in row:
+                if p is not None:
+                    p.holders += 1
+                    held.append(p)
+                    coldest = max(coldest, p.tier)
+            if coldest >= 0:
+                by_tier[TIER_NAMES[coldest]] += 1
+        seq.committed = len(path)
+        seq.matched_by_tier = {name: by_tier[name] for name in TIER_NAMES}
+        self.hits.update(by_tier)
+        self.lookup_blocks += len(keys)
+        self._touch(reversed(held))
+        return seq
+
+    def _match(self, keys: Seq[BlockKey]) -> list[Block]:
+        path: list[Block] = []
+        parent = None
+        for i, k in enumerate(keys):
+            node = self.nodes.get(k)
+            if node is None or node.parent is not parent or node.depth != i:
+                break
+            path.append(node)
+            parent = node
+        for k in range(len(path), 0, -1):
+            if self._reusable(path, k):
+                return path[:k]
+        return []
+
+    def _reusable(self, path: list[Block], k: int) -> bool:
+        h = k * self.tpb
+        for lc in self.check_lcs:
+            for b in lc.required_blocks(h, self.tpb):
+                p = path[b].pages[lc.index]
+                if p is None or p.dead:
+                    return False
+        return True
+
+    # -- running sequence operations so that cancellation leaks nothing ----------------------
+    async def _run_exclusive(self, seq: Sequence, coro: Awaitable, undo: Callable[[Sequence, Any], None]) -> None:
+        if seq.busy:
+            coro.close()
+            raise UsageError("another acquire or extend of this sequence is running")
+        seq.busy = True
+        task = self._spawn(coro)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def _after(t: asyncio.Task) -> None:
+                seq.busy = False
+                if not t.cancelled() and t.exception() is None and not seq.closed:
+                    undo(seq, t.result())
+            task.add_done_callback(_after)
+            raise
+        seq.busy = False
+
+    def _spawn(self, coro: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- extend ------------------------------------------------------------------------------
+    async def _extend(self, seq: Sequence, n: int) -> int:
+        self._check()
+        if n == 0:
+            return 0
+        per_group = collections.Counter()
+        for lc in self.lcs:
+            per_group[self.group_of[GPU][lc.index]] += n
+        slots = await self._obtain_many(GPU, per_group)
+        start = len(seq.blocks)
+        fences = []
+        for i in range(start, start + n):
+            parent = seq.blocks[i - 1] if i else None
+            block = Block(seq.keys[i] if i < len(seq.keys) else None, parent, i, len(self.lcs))
+            row: list[Page | None] = []
+            for lc in self.lcs:
+                g = self.group_of[GPU][lc.index]
+                slot = slots[g].pop()
+                fences.append(self.allocs[GPU][g].fences[slot])
+                p = self._new_page(block, lc.index, GPU, g, slot, seq.priority)
+                p.holders = 1
+                p.locks = 1 if seq.acquired else 0
+                block.pages[lc.index] = p
+                row.append(p)
+            seq.blocks.append(block)
+            seq.pages.append(row)
+        self._touch(p for row in reversed(seq.pages[start:]) for p in row)
+        await wait_events(fences)
+        return n
+
+    def _undo_extend(self, seq: Sequence, n: int) -> None:
+        for _ in range(n):
+            seq.blocks.pop()
+            for p in seq.pages.pop():
+                if p is not None:
+                    self._free_page(p)
+
+    # -- acquire / release -------------------------------------------------------------------
+    def _needed(self, seq: Sequence) -> list[tuple[int, int]]:
+        h = len(seq.blocks) * self.tpb
+        out = set()
+        for lc in self.lcs:
+            out.update((b, lc.index) for b in lc.needed_blocks(h, self.tpb))
+            out.update((b, lc.index) for b in range(seq.committed, len(seq.blocks)))
+        return sorted(out, reverse=True)
+
+    async def _acquire(self, seq: Sequence) -> list[Page]:
+        self._check()
+        if seq.acquired:
+            raise UsageError("sequence is already acquired")
+        needed = self._needed(seq)
+        holes = [(b, lc) for b, lc in needed if seq.pages[b][lc] is None]
+        if holes:
+            await self._fill_holes(seq, holes)
+        pages = [seq.pages[b][lc] for b, lc in needed]
+        while True:
+            waits = [p.moving for p in pages if p.moving is not None]
+            if not waits:
+                break
+            await asyncio.wait(waits)
+            for p in pages:
+                if p.dead:
+                    raise UsageError("a page of this sequence was freed while acquiring")
+            for f in waits:
+                if not f.cancelled() and f.exception() is not None and getattr(f, "to_gpu", False):
+                    raise f.exception()
+        for p in pages:
+            p.locks += 1
+            self._unqueue(p)
+        try:
+            cold = [p for p in pages if p.tier != GPU]
+            if cold:
+                self._claim(cold, GPU)
+                by_group: dict[int, list[Page]] = collections.defaultdict(list)
+                for p in cold:
+                    by_group[self.group_of[GPU][p.lc]].append(p)
+                try:
+                    slots = await self._obtain_many(GPU, {g: len(v) for g, v in by_group.items()})
+                except BaseException as exc:
+                    self._unclaim(cold, exc)
+                    raise
+                await self._move_claimed(cold, GPU, slots, handoff=False)
+        except BaseException:
+            self._unlock(pages)
+            raise
+        self._touch(pages)
+        seq.acquired = True
+        return pages
+
+    async def _fill_holes(self, seq: Sequence, holes: list[tuple[int, int]]) -> None:
+        per_group = collections.Counter(self.group_of[GPU][lc] for _, lc in holes)
+        slots = await self._obtain_many(GPU, per_group)
+        fences = []
+        for b, lc in holes:
+            g = self.group_of[GPU][lc]
+            slot = slots[g].pop()
+            fences.append(self.allocs[GPU][g].fences[slot])
+            p = self._new_page(seq.blocks[b], lc, GPU, g, slot, seq.priority)
+            p.holders = 1
+            seq.pages[b][lc] = p
+            seq.recompute.add((b, lc))
+        await wait_events(fences)
+
+    def _undo_acquire(self, seq: Sequence, pages: list[Page]) -> None:
+        seq.acquired = False
+        self._unlock(pages)
+
+    def _unlock(self, pages: Seq[Page]) -> None:
+        for p in pages:
+            p.locks -= 1
+            if not p.dead:
+                self._requeue(p)
+
+    def _release(self, seq: Sequence, stream=None) -> None:
+        if not seq.acquired:
+            return
+        seq.acquired = False
+        ev = stream_event(stream)
+        for row in seq.pages:
+            for p in row:
+                if p is not None and p.locks:
+                    if ev is not None and p.tier == GPU:
+                        p.ready = ev
+                    p.locks -= 1
+                    self._requeue(p)
+
+    def _stream_wait(self, seq: Sequence, stream) -> None:
+        for b, lc in self._needed(seq):
+            p = seq.pages[b][lc]
+            if p is not None and p.ready is not None and hasattr(p.ready, "_event"):
+                stream.wait_event(p.ready._event)
+
+    # -- commit / close ------------------------------------------------------------------------
+    def _commit(self, seq: Sequence, n: int) -> None:
+        for i in range(n):
+            block = seq.blocks[i]
+            row = seq.pages[i]
+            if i < seq.committed:
+                if block.indexed:
+                    self._adopt(block, row, seq, i)
+                continue
+            parent = seq.blocks[i - 1] if i else None
+            key = seq.keys[i]
+            node = self.nodes.get(key)
+            if node is not None and (node.parent is not parent or node.depth != i):
+                raise UsageError(f"block key {key!r} at position {i} is already indexed at another position")
+            if node is None:
+                block.key, block.parent, block.indexed = key, parent, True
+                self.nodes[key] = block
+                if parent is not None:
+                    parent.children[key] = block
+                node = block
+                for p in row:
+                    if p is not None and self.lcs[p.lc].reuse is not ReusePolicy.PRIVATE:
+                        p.published = True
+                        self._requeue(p)
+            else:
+                seq.blocks[i] = node
+                self._adopt(node, row, seq, i)
+            seq.recompute = {(b, lc) for b, lc in seq.recompute if b != i}
+        seq.committed = max(seq.committed, n)
+
+    def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int) -> None:
+        """Publish ``row``'s pages into ``node`` where it has none (or only an idle colder copy)."""
+        for lc, p in enumerate(row):
+            if p is None or p.published or self.lcs[lc].reuse is ReusePolicy.PRIVATE:
+                continue
+            if (i, lc) in seq.recompute and self.lcs[lc].reuse is not ReusePolicy.OPTIONAL:
+                continue
+            theirs = node.pages[lc]
+            if theirs is not None and not theirs.dead:
+                if theirs.holders or theirs.locks or theirs.moving is not None or theirs.tier <= p.tier:
+                    continue
+                theirs.published = False
+                node.pages[lc] = None
+                self._free_page(theirs)
+            p.block = node
+            p.published = True
+            node.pages[lc] = p
+            self._requeue(p)
+
+    def _close_sequence(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.closed = True
+        for row in seq.pages:
+            for p in row:
+                if p is None or p.dead:
+                    continue
+                p.holders -= 1
+                if not p.published:
+                    self._free_page(p)
+                else:
+                    self._requeue(p)
+        seq.pages = []
+        seq.blocks = []
+
+    # -- page bookkeeping ----------------------------------------------------------------------
+    def _new_page(self, block: Block, lc: int, tier: int, group: int, slot: int, priority: int) -> Page:
+        p = Page(block, lc, tier, group, slot, priority)
+        self.owners[tier][group][slot] = p
+        return p
+
+    def _touch(self, pages) -> None:
+        """Stamp pages in the order given (callers pass deepest first)."""
+        for p in pages:
+            self.clock += 1
+            p.stamp = self.clock
+            if p.qentry is not None:
+                self._requeue(p)
+
+    def _evictable(self, p: Page) -> bool:
+        return (not p.locks and p.moving is None and not p.dead
+                and (p.tier != self.last_tier or (p.published and not p.holders)))
+
+    def _requeue(self, p: Page) -> None:
+        q = self.queues[p.tier][p.group]
+        if p.qentry is not None:
+            q.remove(p)
+        if self._evictable(p):
+            q.push(p)
+
+    def _unqueue(self, p: Page) -> None:
+        if p.qentry is not None:
+            self.queues[p.tier][p.group].remove(p)
+
+    def _release_slot(self, tier: int, group: int, slot: int, fence) -> None:
+        self.owners[tier][group][slot] = None
+        self.allocs[tier][group].release([slot], fence)
+        if tier == DISK:
+            self._disk_free(group, [slot])
+
+    def _disk_free(self, group: int, slots: list[int]) -> None:
+        self.engine.io_write.submit(lambda: self.disk.free(group, slots))
+
+    def _give_back(self, tier: int, group: int, slots: Seq[int]) -> None:
+        alloc = self.allocs[tier][group]
+        for s in slots:
+            alloc.release([s], alloc.fences[s])
+
+    def _free_page(self, p: Page, release_slot: bool = True) -> None:
+        """The page leaves the store (its slot is freed once no move holds it)."""
+        if p.dead:
+            return
+        p.dead = True
+        self._unqueue(p)
+        if p.block is not None and p.block.pages[p.lc] is p:
+            p.block.pages[p.lc] = None
+        if p.moving is None and release_slot:
+            self._release_slot(p.tier, p.group, p.slot, p.ready)
+
+    def _drop(self, p: Page, release_slot: bool = True) -> None:
+        """Drop a published page from the index (the last tier's eviction)."""
+        self.drops += 1
+        block = p.block
+        lc = self.lcs[p.lc]
+        p.published = False
+        self._free_page(p, release_slot)
+        if block.indexed and lc.is_prefix_critical(block.depth, self.tpb):
+            self._drop_subtree(block)
+        elif block.indexed and not block.children and all(q is None for q in block.pages):
+            self._unindex(block)
+
+    def _drop_subtree(self, root: Block) -> None:
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for q in node.pages:
+                if q is None or q.dead:
+                    continue
+                q.published = False
+                if q.holders:
+                    self._requeue(q)       # a live sequence keeps it; freed when it closes
+                else:
+                    self._free_page(q)
+            self._unindex(node)
+
+    def _unindex(self, node: Block) -> None:
+        node.indexed = False
+        if self.nodes.get(node.key) is node:
+            del self.nodes[node.key]
+        if node.parent is not None and node.parent.children.get(node.key) is node:
+            del node.parent.children[node.key]
+        node.children = {}
+
+    # -- claims, eviction and moves ------------------------------------------------------------
+    def _claim(self, pages: Seq[Page], to_tier: int) -> None:
+        loop = asyncio.get_running_loop()
+        for p in pages:
+            fut = loop.create_future()
+            fut.to_gpu = to_tier == GPU
+            fut.add_done_callback(_consume)
+            p.moving = fut
+            p.moving_to = to_tier
+            self._unqueue(p)
+
+    def _unclaim(self, pages: Seq[Page], exc: BaseException | None) -> None:
+        for p in pages:
+            fut, p.moving, p.moving_to = p.moving, None, -1
+            if fut is not None and not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+            if p.dead:
+                self._release_slot(p.tier, p.group, p.slot, p.ready)
+            else:
+                self._requeue(p)
+
+    async def _obtain_many(self, tier: int, counts: dict[int, int]) -> dict[int, list[int]]:
+        """Slots in several groups of one tier, all or none."""
+        got: dict[int, list[int]] = {}
+        try:
+            for g, n in counts.items():
+                got[g] = await self._obtain(tier, g, n)
+        except BaseException:
+            for g, slots in got.items():
+                self._give_back(tier, g, slots)
+            raise
+        return got
+
+    async def _obtain(self, tier: int, group: int, n: int) -> list[int]:
+        """``n`` free slots, evicting (and cascading) as needed."""
+        alloc = self.allocs[tier][group]
+        if n <= alloc.free:
+            return alloc.allocate(n)
+        got = alloc.allocate(alloc.free)
+        try:
+            victims = self._pick_victims(tier, group, n - len(got))
+            freed = await self._evict(tier, victims)
+        except BaseException:
+            self._give_back(tier, group, got)
+            raise
+        return got + freed
+
+    def _pick_victims(self, tier: int, group: int, need: int) -> list[Page]:
+        q = self.queues[tier][group]
+        victims = []
+        while len(victims) < need:
+            p = q.pop()
+            if p is None:
+                break
+            victims.append(p)
+        if len(victims) < need:
+            for p in victims:
+                q.push(p)
+            a = self.allocs[tier][group]
+            raise OutOfPagesError(f"{TIER_NAMES[tier]} pool group {group}: need {need} more slots, "
+                                  f"{a.free} free of {a.capacity} and only {len(victims)} evictable")
+        nxt = self.next_tier[tier]
+        self._claim(victims, nxt if nxt is not None else -1)
+        return victims
+
+    async def _evict(self, tier: int, victims: list[Page]) -> list[int]:
+        """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller."""
+        nxt = self.next_tier[tier]
+        if nxt is not None:
+            counts = collections.Counter(self.group_of[nxt][v.lc] for v in victims)
+            try:
+                slots = await self._obtain_many(nxt, counts)
+            except OutOfPagesError:
+                if not all(v.published and not v.holders for v in victims):
+                    self._unclaim(victims, None)
+                    raise
+            except BaseException:
+                self._unclaim(victims, None)
+                raise
+            else:
+                return await self._move_claimed(victims, nxt, slots, handoff=True)
+        freed = []
+        for v in sorted(victims, key=lambda v: -v.block.depth):
+            fut, v.moving, v.moving_to = v.moving, None, -1
+            fut.set_result(None)
+            self.owners[v.tier][v.group][v.slot] = None
+            if v.tier == DISK:
+                self._disk_free(v.group, [v.slot])
+            freed.append(v.slot)
+            self._drop(v, release_slot=False)
+        return freed
+
+    async def _move_claimed(self, pages: list[Page], dst_tier: int, slots: dict[int, list[int]],
+                            handoff: bool) -> list[int]:
+        """Move claimed pages into ``slots`` (per destination group). Batches
+        run concurrently, one per (source tier, source group, destination
+        group). With ``handoff`` the source slots are returned to the caller
+        instead of freed. On failure every batch's claims are settled and the
+        first error is raised (after the others finish)."""
+        batches: dict[tuple[int, int, int], list[Page]] = collections.defaultdict(list)
+        for p in sorted(pages, key=lambda p: p.slot):
+            batches[(p.tier, p.group, self.group_of[dst_tier][p.lc])].append(p)
+        jobs = []
+        for (_, _, g), batch in batches.items():
+            mine = sorted(slots[g][:len(batch)])
+            del slots[g][:len(batch)]
+            jobs.append(self._spawn(self._move_batch(batch, dst_tier, g, mine, handoff)))
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        freed, error = [], None
+        for r in results:
+            if isinstance(r, BaseException):
+                error = error or r
+            else:
+                freed.extend(r)
+        if error is not None:
+            if handoff and freed:     # source slots of the batches that did move: nobody takes them now
+                self.allocs[pages[0].tier][pages[0].group].release(freed)
+            raise error
+        return freed
+
+    async def _move_batch(self, batch: list[Page], dst_tier: int, g: int, dst_slots: list[int],
+                          handoff: bool) -> list[int]:
+        alloc = self.allocs[dst_tier][g]
+        fences = [alloc.fences[s] for s in dst_slots]
+        try:
+            ev = await self.engine.run(batch, dst_tier, g, dst_slots, fences)
+        except BaseException as exc:
+            self.engine.stats.failures[f"{TIER_NAMES[batch[0].tier]}->{TIER_NAMES[dst_tier]}"] += 1
+            self._give_back(dst_tier, g, dst_slots)
+            self._unclaim(batch, exc)
+            raise
+        freed = []
+        for p, s in zip(batch, dst_slots):
+            src = (p.tier, p.group, p.slot)
+            self.owners[src[0]][src[1]][src[2]] = None
+            if handoff:
+                freed.append(src[2])
+                if src[0] == DISK:
+                    self._disk_free(src[1], [src[2]])
+            else:
+                self._release_slot(*src, ev)
+            p.tier, p.group, p.slot, p.ready = dst_tier, g, s, ev
+            self.owners[dst_tier][g][s] = p
+        self._unclaim(batch, None)
+        return freed
+
+    # -- persistence ---------------------------------------------------------------------------
+    async def _persist(self) -> None:
+        """Spill published pages that are not on disk into free disk slots,
+        most recently used first (no eviction)."""
+        pending = [p for node in self.nodes.values() for p in node.pages
+                   if p is not None and not p.dead and p.published and p.tier != DISK and p.moving is None]
+        pending.sort(key=lambda p: -p.stamp)
+        counts: dict[int, list[Page]] = collections.defaultdict(list)
+        for p in pending:
+            g = self.group_of[DISK][p.lc]
+            if len(counts[g]) < self.allocs[DISK][g].free:
+                counts[g].append(p)
+        todo = [p for ps in counts.values() for p in ps]
+        if not todo:
+            return
+        slots = {g: self.allocs[DISK][g].allocate(len(ps)) for g, ps in counts.items()}
+        self._claim(todo, DISK)
+        await self._move_claimed(todo, DISK, slots, handoff=False)
+        await asyncio.get_running_loop().run_in_executor(None, self.disk.flush)
+
+    def _index_recovered(self) -> None:
+        """Rebuild the index from the pages the disk tier recovered."""
+        disk = self.disk
+        allocs = self.allocs[DISK]
+        taken = collections.defaultdict(set)
+        for rp in sorted(disk.recovered, key=lambda r: r.record.depth):
+            rec = rp.record
+            ok = (rec.key is not None and 0 <= rec.life_cycle < len(self.lcs)
+                  and self.group_of[DISK][rec.life_cycle] == rp.group and 0 <= rp.slot < allocs[rp.group].capacity)
+            parent = self.nodes.get(rec.parent) if rec.parent is not None else None
+            if ok and rec.depth > 0 and (parent is None or parent.depth != rec.depth - 1):
+                ok = False
+            if ok and rec.depth == 0 and rec.parent is not None:
+                ok = False
+            node = self.nodes.get(rec.key) if ok else None
+            if ok and node is not None and (node.parent is not parent or node.pages[rec.life_cycle] is not None):
+                ok = False
+            if not ok:
+                self.discarded += 1
+                disk.free(rp.group, [rp.slot])
+                continue
+            if node is None:
+                node = Block(rec.key, parent, rec.depth, len(self.lcs))
+                node.indexed = True
+                self.nodes[rec.key] = node
+                if parent is not None:
+                    parent.children[rec.key] = node
+            p = Page(node, rec.life_cycle, DISK, rp.group, rp.slot, rec.priority)
+            p.published = True
+            node.pages[rec.life_cycle] = p
+            self.owners[DISK][rp.group][rp.slot] = p
+            taken[rp.group].add(rp.slot)
+        for g, alloc in enumerate(allocs):
+            all_slots = alloc.allocate(alloc.capacity)
+            alloc.release([s for s in all_slots if s not in taken[g]])
+        # blocks missing a prefix-critical page can never match: drop them with their subtrees
+        for node in sorted(self.nodes.values(), key=lambda n: n.depth):
+            if node.indexed and any(lc.is_prefix_critical(node.depth, self.tpb) and node.pages[lc.index] is None
+                                    for lc in self.lcs):
+                self._drop_subtree(node)
+        for g, owners in enumerate(self.owners[DISK]):
+            for p in owners:
+                if p is not None:
+                    self.clock += 1
+                    p.stamp = self.clock
+                    self._requeue(p)
+        self.recovered = sum(1 for o in self.owners[DISK] for p in o if p is not None)
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        self._check()
+        tiers = {}
+        for t in self.tier_ids:
+            groups = []
+            for g, alloc in enumerate(self.allocs[t]):
+                owners = self.owners[t][g]
+                states = collections.Counter(p.state for p in owners if p is not None)
+                groups.append({
+                    "index": g, "slots": alloc.capacity, "free": alloc.free, "used": alloc.used,
+                    "evictable": len(self.queues[t][g]), "locked": states["LOCKED"], "held": states["HELD"],
+                    "droppable": states["DROPPABLE"],
+                    "slot_bytes": (self.slabs[t][g].spec.slot_bytes if t < DISK else self.engine.cold_bytes[g]),
+                })
+            tiers[TIER_NAMES[t]] = {"groups": groups, "hits": self.hits[TIER_NAMES[t]]}
+        out = {
+            "tiers": tiers,
+            "hits": {name: self.hits[name] for name in TIER_NAMES},
+            "lookup_blocks": self.lookup_blocks,
+            "indexed_blocks": len(self.nodes),
+            "moves": self.engine.stats.as_dict(),
+            "drops": self.drops,
+            "recovered_pages": self.recovered,
+            "discarded_pages": self.discarded + (len(self.disk.discarded) if self.disk is not None else 0),
+        }
+        if self.disk is not None:
+            out["disk"] = dict(self.disk.stats)
+        return out
+
+    def check_consistency(self) -> None:
+        """Assert the bookkeeping invariants (tests and ``kvtier stress`` call it)."""
+        for t in self.tier_ids:
+            for g, alloc in enumerate(self.allocs[t]):
+                owners = self.owners[t][g]
+                for s, p in enumerate(owners):
+                    if p is not None:
+                        assert not alloc.is_free(s), f"{TIER_NAMES[t]}[{g}] slot {s} owned and free"
+                        assert (p.tier, p.group, p.slot) == (t, g, s), f"{p} misfiled at {TIER_NAMES[t]}[{g}:{s}]"
+                        assert not p.dead
+                used = sum(1 for p in owners if p is not None)
+                assert used == alloc.used, f"{TIER_NAMES[t]}[{g}]: {used} owned, {alloc.used} allocated"
+                for p in owners:
+                    if p is not None:
+                        assert (p.qentry is not None) == self._evictable(p), f"queue membership of {p}"
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def stream_event(stream):
+    """An event recorded on a caller's CUDA stream (None for no stream)."""
+    if stream is None:
+        return None
+    import torch
+
+    from tiers.streams import CudaEvent
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return CudaEvent(ev, None)
