@@ -250,11 +250,18 @@ class Store:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
+            if task.done():
+                seq.busy = False
+                raise
+
             def _after(t: asyncio.Task) -> None:
                 seq.busy = False
                 if not t.cancelled() and t.exception() is None and not seq.closed:
                     undo(seq, t.result())
             task.add_done_callback(_after)
+            raise
+        except BaseException:
+            seq.busy = False
             raise
         seq.busy = False
 

@@ -1,0 +1,279 @@
+"""The ``kvtier`` command: demo, groups, replay, stress, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
+
+from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.errors import KvtierError
+from tiers.grouping import TIERS
+
+from .config import load_config
+from .loop import run
+
+
+# -- output helpers ----------------------------------------------------------------------------
+def _console():
+    from rich.console import Console
+    return Console()
+
+
+@contextmanager
+def progress_bar(total: int, label: str, enabled: bool) -> Iterator:
+    """A rich progress bar on a terminal; a no-op callback otherwise."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda n=1: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), transient=True, console=_err_console()) as p:
+        task = p.add_task(label, total=total)
+        yield lambda n=1: p.advance(task, n)
+
+
+def _err_console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def _table(title: str, columns: list[str], rows: list[list]) -> None:
+    from rich.table import Table
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    _console().print(t)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# -- groups ----------------------------------------------------------------------------------------
+def groups_report(cfg: StoreConfig) -> dict:
+    out = {}
+    lcs = cfg.layout.life_cycles
+    for tier in TIERS:
+        rows = []
+        slots = cfg.slots_per_group(tier)
+        for g, n in zip(cfg.layout.groups[tier], slots):
+            rows.append({
+                "index": g.index, "key": g.key_dict(), "life_cycles": [lcs[i].describe() for i in g.life_cycles],
+                "layers": sorted(l for i in g.life_cycles for l in lcs[i].layer_ids),
+                "slot_bytes": list(g.slot_sizes), "slots": n,
+            })
+        out[tier] = rows if cfg.tier_config(tier) is not None else []
+    return out
+
+
+def print_groups(report: dict) -> None:
+    rows = []
+    for tier, groups in report.items():
+        for g in groups:
+            key = _key_text(g["key"])
+            lcs = "; ".join(f"#{lc['index']} {lc['reuse']}{' w' + str(lc['window_tokens']) if lc['window_tokens'] else ''}"
+                            f" L{_ranges(lc['layers'])}" for lc in g["life_cycles"])
+            rows.append([tier, g["index"], key, lcs, _human(sum(g["slot_bytes"])), g["slots"]])
+    _table("Pool groups", ["tier", "group", "key", "life cycles", "page", "slots"], rows)
+
+
+def _key_text(key: dict) -> str:
+    parts = [key["pool_reuse_policy"]]
+    if "page_shape" in key:
+        shape = key["page_shape"]
+        sizes = sorted(set(shape))
+        parts.append(f"{len(shape)}x{_human(sizes[0])}" if len(sizes) == 1 else "+".join(_human(x) for x in shape))
+        parts.append(f"sparsity={key['sparsity']}" if key["sparsity"] else "dense")
+    else:
+        parts.append(f"cold {_human(key['cold_page_bytes'])}")
+    return " | ".join(parts)
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else str(x))
+            start = None
+    return ",".join(out)
+
+
+def cmd_groups(args) -> int:
+    report = groups_report(load_config(args.config))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_groups(report)
+    return 0
+
+
+# -- replay --------------------------------------------------------------------------------------------
+def _flag_config(args, disk_dir: str | None) -> StoreConfig:
+    from tiers.layers import LayerSpec
+    half = max(1, args.page_bytes // 2)
+    layers = [LayerSpec(0, (("k", half), ("v", args.page_bytes - half)))]
+    return StoreConfig(
+        layers=layers, tokens_per_block=args.tokens_per_block,
+        gpu=GpuConfig(slots=args.gpu_blocks, device=args.device),
+        host=HostConfig(slots=args.host_blocks) if args.host_blocks else None,
+        disk=DiskConfig(path=disk_dir, slots=args.disk_blocks, fsync=False) if args.disk_blocks else None,
+    )
+
+
+def cmd_replay(args) -> int:
+    from .replay import replay
+    from .store import Store
+    from .trace import read_trace
+    requests, problems = read_trace(args.trace, args.limit, args.strict)
+    for p in problems:
+        print(f"{args.trace}: {p} (skipped)", file=sys.stderr)
+
+    async def main(cfg: StoreConfig) -> dict:
+        async with Store.open(cfg) as store:
+            with progress_bar(len(requests), "replay", not args.json) as advance:
+                res = await replay(store, requests, concurrency=args.concurrency,
+                                   honor_timestamps=args.honor_timestamps, speed=args.speed,
+                                   content=not args.no_content, verify=not args.no_content, progress=advance)
+            out = res.as_dict()
+            out["skipped_lines"] = len(problems)
+            return out
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
+        cfg = load_config(args.config) if args.config else _flag_config(args, tmp)
+        out = run(main(cfg))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_replay(out)
+    return 1 if out["corrupt_pages"] else 0
+
+
+def _print_replay(out: dict) -> None:
+    rows = [["requests", out["requests"]], ["blocks", out["blocks"]], ["hit rate", f"{out['hit_rate']:.2%}"]]
+    rows += [[f"  hits on {t}", f"{r:.2%}"] for t, r in out["hit_rate_by_tier"].items()]
+    rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["pages verified", out["verified_pages"]],
+             ["pages corrupt", out["corrupt_pages"]],
+             ["loop lag p50 / p99", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} ms"]]
+    if out.get("errors"):
+        rows.append(["errors", ", ".join(f"{k}: {v}" for k, v in out["errors"].items())])
+    _table("Replay", ["", "value"], rows)
+    _print_moves(out["moved"])
+
+
+def _print_moves(moved: dict) -> None:
+    rows = [[d, m["pages"], _human(m["bytes"]), m["batches"], f"{m['bandwidth_gbps']:.2f}", m["failures"]]
+            for d, m in moved.items()]
+    _table("Moves", ["direction", "pages", "bytes", "batches", "GB/s", "failed"], rows)
+
+
+# -- demo -------------------------------------------------------------------------------------------------
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    out = run(run_demo(args.requests, args.json, args.concurrency))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_replay(out["replay"])
+        print_groups(out["groups"])
+    return 1 if out["replay"]["corrupt_pages"] else 0
+
+
+# -- stress / bench ------------------------------------------------------------------------------------------
+def cmd_stress(args) -> int:
+    from .stress import run_stress
+    out = run(run_stress(ops=args.ops, seed=args.seed, concurrency=args.concurrency, faults=args.faults,
+                         restarts=args.restarts, quiet=args.json))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _table("Stress", ["", "value"], [[k, v] for k, v in out.items()])
+    return 0 if out["corrupt"] == 0 and out["lost"] == 0 and out["leaked_slots"] == 0 else 1
+
+
+def cmd_bench(args) -> int:
+    from .bench import print_bench, run_bench
+    out = run_bench(quick=args.quick, quiet=args.json)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_bench(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache page runtime")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="replay a bundled trace slice with real pages through all three tiers")
+    d.add_argument("--requests", type=int, default=300)
+    d.add_argument("--concurrency", type=int, default=4)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+    g = sub.add_parser("groups", help="show the pool groups a config produces")
+    g.add_argument("config")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_groups)
+
+    r = sub.add_parser("replay", help="replay a Mooncake-format trace")
+    r.add_argument("trace")
+    r.add_argument("--config", help="TOML config (else the --*-blocks flags)")
+    r.add_argument("--gpu-blocks", type=int, default=1024)
+    r.add_argument("--host-blocks", type=int, default=4096)
+    r.add_argument("--disk-blocks", type=int, default=0)
+    r.add_argument("--page-bytes", type=int, default=4096)
+    r.add_argument("--tokens-per-block", type=int, default=512)
+    r.add_argument("--device", default="auto")
+    r.add_argument("--limit", type=int)
+    r.add_argument("--concurrency", type=int, default=1)
+    r.add_argument("--honor-timestamps", action="store_true")
+    r.add_argument("--speed", type=float, default=1.0)
+    r.add_argument("--strict", action="store_true", help="a malformed line is fatal")
+    r.add_argument("--no-content", action="store_true", help="metadata only: no page bytes written or checked")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("stress", help="random concurrent sequences under memory pressure, every page verified")
+    s.add_argument("--ops", type=int, default=2000)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--concurrency", type=int, default=8)
+    s.add_argument("--restarts", type=int, default=2)
+    s.add_argument("--faults", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_stress)
+
+    b = sub.add_parser("bench", help="benchmarks as ratios against raw limits measured in the same run")
+    b.add_argument("--quick", action="store_true")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "speed", 1.0) <= 0:
+        print("kvtier: --speed must be positive", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except KvtierError as exc:
+        print(f"kvtier: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Replaying request traces through a Store, with real page bytes.
+
+Each request opens a sequence on its block keys, acquires the matched pages,
+extends the rest, writes their content, commits and closes — what an engine
+does per prefill. With ``verify`` every matched page that comes back to the
+GPU is checked against the content written when it was first computed.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from tiers.codecs import get_codec
+from tiers.errors import KvtierError, OutOfPagesError
+
+from .content import key_seed, matches, pattern
+from .lag import LoopLagMonitor
+from .store import Store
+from .trace import TraceRequest
+
+
+class PageWriter:
+    """Writes and checks deterministic content through the public pool API."""
+
+    __slots__ = ("store", "views", "lossless")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.views = []        # per life cycle: [(layer, offset, size, pool tensor)]
+        self.lossless = []
+        for lc in store.lcs:
+            off, views = 0, []
+            for layer, role, size in lc.buffers:
+                views.append((layer, off, size, store.pool_tensor(layer, role)))
+                off += size
+            self.views.append(views)
+            self.lossless.append(get_codec(lc.codec).lossless)
+
+    def write(self, seq, blocks: Sequence[int]) -> None:
+        for lc, views in enumerate(self.views):
+            layer0 = views[0][0]
+            slots = seq.page_indices(layer0)
+            sel = [b for b in blocks if slots[b] >= 0]
+            if not sel:
+                continue
+            data = pattern([key_seed(seq.keys[b], lc) for b in sel], self.store.lcs[lc].page_bytes)
+            idx = torch.as_tensor([slots[b] for b in sel], dtype=torch.long)
+            for _, off, size, view in views:
+                view.index_copy_(0, idx.to(view.device), data[:, off:off + size].to(view.device))
+
+    def verify(self, seq, blocks: Sequence[int]) -> tuple[int, int]:
+        """(pages verified, pages wrong) among ``blocks`` that are on the GPU."""
+        ok = bad = 0
+        for lc, views in enumerate(self.views):
+            slots = seq.page_indices(views[0][0])
+            skip = set(seq.recompute_blocks(views[0][0]))
+            sel = [b for b in blocks if slots[b] >= 0 and b not in skip]
+            if not sel:
+                continue
+            expected = pattern([key_seed(seq.keys[b], lc) for b in sel], self.store.lcs[lc].page_bytes)
+            idx = torch.as_tensor([slots[b] for b in sel], dtype=torch.long)
+            actual = torch.cat([view.index_select(0, idx.to(view.device)).cpu() for _, _, _, view in views], dim=1)
+            good = matches(actual, expected, self.lossless[lc])
+            n_good = int(good.sum())
+            ok += n_good
+            bad += len(sel) - n_good
+        return ok, bad
+
+
+@dataclasses.dataclass(slots=True)
+class ReplayResult:
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    hit_by_tier: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    verified_pages: int = 0
+    corrupt_pages: int = 0
+    errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    seconds: float = 0.0
+    loop_lag_ms: dict = dataclasses.field(default_factory=dict)
+    moved: dict = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        b = max(self.blocks, 1)
+        return {
+            "requests": self.requests, "blocks": self.blocks, "hit_blocks": self.hit_blocks,
+            "hit_rate": self.hit_blocks / b,
+            "hit_rate_by_tier": {t: self.hit_by_tier[t] / b for t in ("gpu", "host", "disk")},
+            "moved": self.moved, "blocks_per_s": self.blocks / self.seconds if self.seconds else 0.0,
+            "loop_lag_ms": self.loop_lag_ms, "verified_pages": self.verified_pages,
+            "corrupt_pages": self.corrupt_pages, "errors": dict(self.errors), "seconds": round(self.seconds, 3),
+        }
+
+
+async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency: int = 1,
+                 honor_timestamps: bool = False, speed: float = 1.0, content: bool = True,
+                 verify: bool = True, progress: Callable[[int], None] | None = None) -> ReplayResult:
+    res = ReplayResult()
+    writer = PageWriter(store) if content else None
+    lag = LoopLagMonitor().start()
+    sem = asyncio.Semaphore(max(1, concurrency))
+    t0 = time.perf_counter()
+
+    finished = asyncio.Condition()
+    in_flight = 0
+
+    async def one(req: TraceRequest) -> None:
+        nonlocal in_flight
+        async with sem:
+            in_flight += 1
+            try:
+                for attempt in range(8):
+                    try:
+                        await serve(req, first=attempt == 0)
+                        break
+                    except OutOfPagesError:
+                        # the pool is locked by requests in flight: wait for one to finish, as a server queues
+                        if in_flight <= 1 or attempt == 7:
+                            res.errors["OutOfPagesError"] += 1
+                            break
+                        async with finished:
+                            await finished.wait()
+            finally:
+                in_flight -= 1
+                async with finished:
+                    finished.notify_all()
+            if progress is not None:
+                progress(1)
+
+    async def serve(req: TraceRequest, first: bool) -> None:
+        keys = list(req.hash_ids)
+        seq = await store.open_sequence(block_keys=keys)
+        if first:
+            res.requests += 1
+            res.blocks += len(keys)
+            res.hit_blocks += seq.matched_blocks
+            res.hit_by_tier.update(seq.matched_by_tier)
+        try:
+            await seq.acquire()
+            if writer is not None and verify and seq.matched_blocks:
+                ok, bad = await asyncio.to_thread(writer.verify, seq, range(seq.matched_blocks))
+                res.verified_pages += ok
+                res.corrupt_pages += bad
+            start = seq.num_blocks
+            await seq.extend(len(keys) - start)
+            if writer is not None:
+                redo = sorted({b for lc in store.lcs for b in seq.recompute_blocks(lc.layers[0].id)})
+                await asyncio.to_thread(writer.write, seq, list(range(start, len(keys))) + redo)
+            seq.commit(len(keys))
+            await seq.release()
+        except OutOfPagesError:
+            raise
+        except KvtierError as exc:
+            res.errors[type(exc).__name__] += 1
+        finally:
+            if not seq.closed:
+                await seq.close()
+
+    try:
+        if concurrency <= 1 and not honor_timestamps:
+            for req in requests:
+                await one(req)
+        else:
+            tasks = []
+            base = requests[0].timestamp if requests else 0.0
+            for req in requests:
+                if honor_timestamps:
+                    delay = (req.timestamp - base) / 1000.0 / speed - (time.perf_counter() - t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one(req)))
+                if len(tasks) >= 4 * concurrency:
+                    done = [t for t in tasks if t.done()]
+                    for t in done:
+                        t.result()
+                    tasks = [t for t in tasks if not t.done()]
+                    if len(tasks) >= 4 * concurrency:
+                        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.gather(*tasks)
+    finally:
+        res.seconds = time.perf_counter() - t0
+        await lag.stop()
+    res.loop_lag_ms = lag.percentiles_ms()
+    res.moved = store.stats()["moves"]
+    return res

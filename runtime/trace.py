@@ -1,0 +1,69 @@
+"""Reading Mooncake-format traces: one JSON object a line with
+``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from tiers.errors import UsageError
+
+log = logging.getLogger("kvtier.trace")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+class TraceError(UsageError):
+    def __init__(self, path: str, line: int, problem: str) -> None:
+        self.line = line
+        super().__init__(f"{path}:{line}: {problem}")
+
+
+def _parse(obj: object) -> TraceRequest:
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    for field in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if field not in obj:
+            raise ValueError(f"missing field {field!r}")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError("hash_ids must be a list of integers")
+    for field in ("input_length", "output_length"):
+        v = obj[field]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{field} must be a non-negative integer")
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise ValueError("timestamp must be a number")
+    return TraceRequest(float(ts), obj["input_length"], obj["output_length"], tuple(ids))
+
+
+def read_trace(path: str, limit: int | None = None, strict: bool = False) -> tuple[list[TraceRequest], list[str]]:
+    """Requests and the problems found (``line N: ...``). With ``strict`` the
+    first malformed line raises TraceError; otherwise it is skipped."""
+    out: list[TraceRequest] = []
+    problems: list[str] = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read trace {path!r}: {exc.strerror}") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                out.append(_parse(json.loads(line)))
+            except (ValueError, json.JSONDecodeError) as exc:
+                if strict:
+                    raise TraceError(path, n, str(exc)) from None
+                problems.append(f"line {n}: {exc}")
+                log.warning("%s:%d: skipped malformed line: %s", path, n, exc)
+    return out, problems
