@@ -92,6 +92,8 @@ CODECS: dict[str, Codec] = {c.name: c for c in (ConcatCodec(), Int8Codec())}
 
 
 def get_codec(name: str, field: str = "codec") -> Codec:
+    if not isinstance(name, str):
+        raise ConfigError(field, f"codec must be a string, got {name!r}")
     try:
         return CODECS[name]
     except KeyError:

@@ -3,6 +3,7 @@ naming the offending field; ``StoreConfig.from_dict`` takes the TOML shape."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Mapping
@@ -21,6 +22,8 @@ def parse_size(value: Any, field: str) -> int:
     """``"8GiB"``, ``"1.5 GB"``, ``4096`` -> bytes (a positive integer)."""
     if isinstance(value, bool):
         raise ConfigError(field, f"invalid size {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(field, f"invalid size {value!r}")
     if isinstance(value, (int, float)):
         n = int(value)
     elif isinstance(value, str):
@@ -33,6 +36,11 @@ def parse_size(value: Any, field: str) -> int:
     if n <= 0:
         raise ConfigError(field, f"must be positive, got {value!r}")
     return n
+
+
+def _check_type(value: Any, types: tuple, field: str, what: str) -> None:
+    if not isinstance(value, types):
+        raise ConfigError(field, f"must be {what}, got {value!r}")
 
 
 def _positive_int(value: Any, field: str) -> int:
@@ -92,8 +100,18 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self.tokens_per_block, "tokens_per_block")
-        if not isinstance(self.default_priority, int) or not 0 <= self.default_priority <= 100:
+        if (not isinstance(self.default_priority, int) or isinstance(self.default_priority, bool)
+                or not 0 <= self.default_priority <= 100):
             raise ConfigError("default_priority", "must be an integer in 0..100")
+        _check_type(self.persist_on_close, (bool,), "persist_on_close", "true or false")
+        _check_type(self.gpu.device, (str,), "tiers.gpu.device", "a string")
+        if self.host is not None:
+            _check_type(self.host.codec, (str,), "tiers.host.codec", "a string")
+            _check_type(self.host.pinned, (bool, type(None)), "tiers.host.pinned", "true or false")
+        if self.disk is not None:
+            for name in ("path", "on_mismatch", "o_direct"):
+                _check_type(getattr(self.disk, name), (str,), f"tiers.disk.{name}", "a string")
+            _check_type(self.disk.fsync, (bool,), "tiers.disk.fsync", "true or false")
         default_codec = self.host.codec if self.host else "concat"
         get_codec(default_codec, "tiers.host.codec")
         self.layers = [l if l.codec else dataclasses.replace(l, codec=default_codec) for l in self.layers]
@@ -145,25 +163,48 @@ class StoreConfig:
         d = dict(d)
         _reject_unknown(d, {"tokens_per_block", "layers", "tiers", "hash_salt", "default_priority",
                             "persist_on_close"}, "")
-        tiers = dict(d.pop("tiers", None) or {})
+        raw_tiers = d.pop("tiers", None) or {}
+        if not isinstance(raw_tiers, Mapping):
+            raise ConfigError("tiers", "must be a table")
+        tiers = dict(raw_tiers)
         _reject_unknown(tiers, {GPU, HOST, DISK}, "tiers.")
         if GPU not in tiers:
             raise ConfigError("tiers.gpu", "the gpu tier is required")
         gpu = _tier(GpuConfig, tiers[GPU], "tiers.gpu")
         host = _tier(HostConfig, tiers[HOST], "tiers.host") if HOST in tiers else None
         disk = _tier(DiskConfig, tiers[DISK], "tiers.disk") if DISK in tiers else None
-        if disk is not None and disk.path:
+        if disk is not None and isinstance(disk.path, str) and disk.path:
             disk.path = os.path.join(base_dir, os.path.expanduser(disk.path))
         raw_layers = d.pop("layers", None)
         if not isinstance(raw_layers, list) or not raw_layers:
             raise ConfigError("layers", "at least one [[layers]] entry is required")
         layers: list[LayerSpec] = []
+        entry_of: dict[int, int] = {}       # layer id -> index of its [[layers]] entry
         for n, entry in enumerate(raw_layers):
-            layers.extend(_layers(entry, f"layers[{n}]"))
+            for layer in _layers(entry, n):
+                if layer.id in entry_of:
+                    raise ConfigError(f"layers[{n}].ids",
+                                      f"duplicate layer id {layer.id} (already in layers[{entry_of[layer.id]}])")
+                entry_of[layer.id] = n
+                layers.append(layer)
         salt = d.pop("hash_salt", "")
         if not isinstance(salt, str):
             raise ConfigError("hash_salt", "must be a string")
-        return cls(layers=layers, gpu=gpu, host=host, disk=disk, hash_salt=salt.encode(), **d)
+        try:
+            return cls(layers=layers, gpu=gpu, host=host, disk=disk, hash_salt=salt.encode(), **d)
+        except ConfigError as e:
+            raise _entry_field(e, entry_of) from None
+
+
+def _entry_field(e: ConfigError, entry_of: Mapping[int, int]) -> ConfigError:
+    """Per-layer checks name ``layers[<layer id>]``; in the TOML shape the field
+    is the ``[[layers]]`` entry, so ``layers[<entry>]`` with the layer id in the
+    message."""
+    m = re.fullmatch(r"layers\[(\d+)\](.*)", e.field)
+    if m is None or int(m.group(1)) not in entry_of:
+        return e
+    layer_id = int(m.group(1))
+    return ConfigError(f"layers[{entry_of[layer_id]}]{m.group(2)}", f"layer {layer_id}: {e.problem}")
 
 
 def _reject_unknown(d: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
@@ -180,7 +221,9 @@ def _tier(cls, raw: Any, field: str):
     return cls(**raw)
 
 
-def _layers(entry: Any, field: str) -> list[LayerSpec]:
+def _layers(entry: Any, n: int) -> list[LayerSpec]:
+    """The layers of the ``n``-th ``[[layers]]`` entry."""
+    field = f"layers[{n}]"
     if not isinstance(entry, Mapping):
         raise ConfigError(field, "must be a table")
     allowed = {"ids", "kind", "buffers", "window_tokens", "sink_tokens", "reuse", "sparsity", "codec", "dtype"}
@@ -208,4 +251,14 @@ def _layers(entry: Any, field: str) -> list[LayerSpec]:
         v = common[name]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise ConfigError(f"{field}.{name}", f"must be an integer, got {v!r}")
-    return [LayerSpec(id=i, **common) for i in parse_layer_ids(entry["ids"], f"{field}.ids")]
+    for name in ("kind", "codec", "dtype", "sparsity"):
+        v = common[name]
+        if not isinstance(v, str) and not (name == "sparsity" and v is None):
+            raise ConfigError(f"{field}.{name}", f"must be a string, got {v!r}")
+    out = []
+    for i in parse_layer_ids(entry["ids"], f"{field}.ids"):
+        try:
+            out.append(LayerSpec(id=i, **common))
+        except ConfigError as e:
+            raise _entry_field(e, {i: n}) from None
+    return out

@@ -2,6 +2,8 @@
 emulated streams so that the same code runs (and is tested) without a GPU."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .errors import ConfigError
@@ -14,6 +16,8 @@ class Device:
     def __init__(self, spec: str = "auto", pin_host: bool | None = None) -> None:
         if spec == "auto":
             spec = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(spec, str) or not (spec in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", spec)):
+            raise ConfigError("tiers.gpu.device", f"unknown device {spec!r} (auto, cuda, cuda:N, cpu)")
         if spec.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("tiers.gpu.device", f"{spec!r} asked for, but CUDA is not available")
         self.torch_device = torch.device(spec)

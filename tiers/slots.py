@@ -59,9 +59,11 @@ class SlotAllocator:
 
     def release(self, slots: list[int], fence: Event | None = None) -> None:
         """Give slots back; ``fence`` marks the last copy that touched them."""
+        seen: set[int] = set()
         for s in slots:
-            if not 0 <= s < self.capacity or self._is_free[s]:
+            if not 0 <= s < self.capacity or self._is_free[s] or s in seen:
                 raise UsageError(f"slot {s} released twice or never allocated")
+            seen.add(s)
         for s in slots:
             self._is_free[s] = 1
             if fence is None or fence.query():

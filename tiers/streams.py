@@ -15,6 +15,7 @@ stream's events in the order they were recorded.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable, Optional
@@ -22,6 +23,17 @@ from typing import Callable, Optional
 import torch
 
 Callback = Callable[[Optional[BaseException]], None]
+
+_log = logging.getLogger(__name__)
+
+
+def _invoke(cb: Callback, error: BaseException | None) -> None:
+    """Run a done-callback; one that raises is logged, never allowed to kill
+    the stream's worker (or waiter) thread or skip the callbacks after it."""
+    try:
+        cb(error)
+    except Exception:   # noqa: BLE001
+        _log.exception("kvtier: event done-callback %r raised", cb)
 
 
 class Event:
@@ -57,7 +69,7 @@ class HostEvent(Event):
             self._flag.set()
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
-            cb(error)
+            _invoke(cb, error)
 
     def query(self) -> bool:
         return self._flag.is_set()
@@ -75,7 +87,7 @@ class HostEvent(Event):
             if not self._flag.is_set():
                 self._callbacks.append(cb)
                 return
-        cb(self._error)
+        _invoke(cb, self._error)
 
 
 DONE = HostEvent(done=True)
@@ -181,7 +193,7 @@ class CudaStream:
                 event.synchronize()
             except BaseException as exc:   # noqa: BLE001
                 error = exc
-            cb(error)
+            _invoke(cb, error)
 
     def submit(self, fn: Callable[[], None]) -> Event:
         with torch.cuda.stream(self.stream):

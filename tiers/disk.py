@@ -1,0 +1,1093 @@
+"""The disk tier: durable, slot-addressed spill files for cold pages.
+
+Data plane only: every call blocks, no asyncio here. The runtime calls it from
+worker threads; calls on one pool group are serialised by that group's lock,
+different groups run concurrently (the I/O and the checksums release the GIL).
+
+Directory layout (``path``)::
+
+    LOCK              fcntl.flock'ed while a DiskTier has the directory open; holds the pid
+    HEADER            msgpack: format version, fingerprint, [[slot_bytes, slots], ...]
+    group-N.seg       segment file of cold pool group N: slot k at offset k * stride
+    group-N.journal   journal of group N: framed msgpack records
+
+``stride`` is ``slot_bytes`` rounded up to 4096, always (also when O_DIRECT is
+off), so that one directory can be reopened with either I/O mode. The quota of
+a group is ``slots * slot_bytes`` as configured; on disk it takes at most
+``slots * stride`` (the rounding costs nothing for the usual page sizes, which
+are multiples of 4 KiB). The segment file grows in preallocated steps
+(``posix_fallocate``; min(64 MiB, an eighth of the group's size), never past
+``slots * stride``) so that the filesystem hands out large extents and a full
+disk is found at allocation time (``DiskFullError``), not half-way into a
+batch.
+
+Journal. Each append is one frame: ``<u32 length><u32 crc32(payload)>`` and a
+msgpack payload. The first frame of a journal is a header map (group, format,
+``next_gen``); every later frame is a list of records, applied all or nothing:
+``[0, slot, gen, xxh3_64, key, parent, depth, life_cycle, priority]`` (a page
+was written) or ``[1, slot, gen]`` (it was freed). Generation numbers are
+monotonic per directory (all groups draw from one counter, persisted through
+the journal headers), and on replay a slot's last record wins. A torn or
+corrupted frame ends the replay: the journal is truncated to the last good
+frame, and that is reported (``journal_errors`` and a warning on
+``kvtier.disk``). Because a frame holds a whole ``write()`` batch, a crash
+never leaves half a batch in the index.
+
+Durability order of ``write()`` (with ``fsync=True``):
+
+1. if some target slot was freed but its free record is not yet durable, the
+   pending frees are appended and fdatasync'ed first, so that no durable
+   record still names the old page when its bytes get overwritten;
+2. the data goes to the segment (one ``pwritev`` per run of adjacent slots)
+   and is fdatasync'ed once per batch;
+3. one frame with the batch's records (plus any other pending frees of the
+   group) is appended to the journal and fdatasync'ed.
+
+So the journal never points at unwritten data, and a failure at any step
+(``ENOSPC`` -> ``DiskFullError``; any other ``OSError`` -> ``TierIOError``)
+leaves every slot's previous state as it was: a failed journal append is
+rolled back by truncating the journal to its previous length. ``write()`` only
+takes free slots (writing over a live page is a ``UsageError``: free it first),
+which is what makes "nothing previously stored is lost" hold even when the
+data write fails half-way. Frees are journaled lazily (with the next append of
+their group, ``flush()`` or ``close()``); a crash can therefore bring back a
+page that was freed shortly before it, with its bytes intact (its checksum
+still matches), never a page with wrong bytes.
+
+Checksums (xxh3_64 of the slot's ``slot_bytes``) are verified lazily, by
+``read()``: verifying eagerly at open would read the whole quota (up to
+terabytes) before the first request. Open checks what is cheap - journal
+integrity, that the segment exists and covers every recorded slot - and
+``verify_all()`` checks every live page when the caller wants it. A page that
+fails is reported in ``discarded`` (with a warning), forgotten as if freed,
+and ``read()`` raises ``CorruptPageError`` naming the bad slots.
+
+O_DIRECT. ``o_direct="auto"`` probes at open (an aligned O_DIRECT write to a
+scratch file) and records the result in ``o_direct_supported``, but keeps
+buffered I/O: on the machines we measured (see ``scripts/bench_disk.py``)
+buffered writes + one fdatasync per batch and buffered reads with readahead
+matched or beat O_DIRECT for 64 KiB..2 MiB pages, while O_DIRECT needs a
+bounce copy whenever the caller's tensor is not 4 KiB-aligned (torch's CPU
+allocator aligns to 64 bytes) and loses readahead. ``"on"`` requires O_DIRECT
+(``ConfigError`` if the filesystem refuses it) and then uses page-aligned
+bounce buffers, or the caller's rows directly when they are aligned.
+``stats["o_direct"]`` says which mode is in use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from typing import Any, Iterable
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
+
+log = logging.getLogger("kvtier.disk")
+
+FORMAT_VERSION = 1
+ALIGN = 4096
+GROW_STEP = 64 << 20             # segment growth step (or 1/8 of the group's size, whichever smaller)
+CHECKPOINT_FLOOR = 1 << 20       # never compact a journal smaller than this
+CHECKPOINT_RATIO = 4             # compact when the journal exceeds this many times its snapshot
+PENDING_FREE_FLUSH = 8192        # journal pending frees once this many have piled up in a group
+MAX_RUN_BYTES = 64 << 20         # one pwritev/preadv covers at most this much
+BOUNCE_BYTES = 16 << 20          # O_DIRECT bounce buffer per group (at least one stride)
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+_HEADER = "HEADER"
+_LOCK = "LOCK"
+_FRAME = struct.Struct("<II")
+_REC_WRITE = 0
+_REC_FREE = 1
+_EXT_BIGINT = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageRecord:
+    key: int | bytes                  # block key (msgpack-serialisable)
+    parent: int | bytes | None        # parent block key, None for the first block
+    depth: int                        # block index in the chain (0 = first block)
+    life_cycle: int                   # life cycle index
+    priority: int = 35
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecoveredPage:
+    group: int
+    slot: int
+    record: PageRecord
+    generation: int = 0               # write order: higher was written later
+
+
+# -- small helpers -------------------------------------------------------------------------------
+
+def _pack_default(obj: Any) -> Any:
+    if isinstance(obj, int):           # msgpack hands us ints outside 64 bits
+        return msgpack.ExtType(_EXT_BIGINT, obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True))
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _EXT_BIGINT:
+        return int.from_bytes(data, "little", signed=True)
+    return msgpack.ExtType(code, data)
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, default=_pack_default, use_bin_type=True)
+
+
+def _unpackb(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+
+
+def _frame(obj: Any) -> bytes:
+    payload = _packb(obj)
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _typed(exc: OSError, what: str) -> OSError:
+    msg = f"disk tier: {what}: {exc.strerror or exc}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(exc.errno, msg)
+    return TierIOError(exc.errno if exc.errno is not None else errno.EIO, msg)
+
+
+def _is_key(k: Any) -> bool:
+    return isinstance(k, (int, bytes)) and not isinstance(k, bool)
+
+
+def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    bufs = [memoryview(b).cast("B") for b in bufs]
+    while bufs:
+        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def _preadv_all(fd: int, bufs: list, offset: int) -> int:
+    """Fill ``bufs`` from ``offset``; returns the bytes read (short only at end of file)."""
+    bufs = [memoryview(b).cast("B") for b in bufs]
+    total = 0
+    while bufs:
+        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+        if n <= 0:
+            break
+        total += n
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+    return total
+
+
+def _aligned_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    mm = mmap.mmap(-1, _round_up(max(nbytes, ALIGN), ALIGN))
+    return mm, np.frombuffer(mm, dtype=np.uint8)
+
+
+def _first_difference(old: Any, new: Any, path: str) -> str | None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new), key=repr):
+            sub = f"{path}.{k}" if path else str(k)
+            if k not in old:
+                return f"key {sub!r} is new (the directory's fingerprint has no such key)"
+            if k not in new:
+                return f"key {sub!r} is missing (the directory's fingerprint has {old[k]!r})"
+            d = _first_difference(old[k], new[k], sub)
+            if d:
+                return d
+        return None
+    if isinstance(old, list) and isinstance(new, list):
+        for i, (a, b) in enumerate(zip(old, new)):
+            d = _first_difference(a, b, f"{path}[{i}]")
+            if d:
+                return d
+        if len(old) != len(new):
+            return f"key {path!r} has {len(new)} items, the directory's has {len(old)}"
+        return None
+    if old != new or type(old) is not type(new):
+        return f"key {path!r} differs: directory has {old!r}, this store has {new!r}"
+    return None
+
+
+# -- per-group state -----------------------------------------------------------------------------
+
+class _Group:
+    __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
+                 "seg_fd", "journal_fd", "size", "journal_size", "entries", "pending_free", "forgotten",
+                 "live_bytes", "lock", "broken", "bounce", "bounce_np", "pad", "pad_scratch")
+
+    def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
+        self.index = index
+        self.slot_bytes = slot_bytes
+        self.slots = slots
+        self.stride = _round_up(slot_bytes, ALIGN)
+        self.max_size = slots * self.stride
+        self.seg_path = os.path.join(path, f"group-{index}.seg")
+        self.journal_path = os.path.join(path, f"group-{index}.journal")
+        self.seg_fd = -1
+        self.journal_fd = -1
+        self.size = 0                  # segment file size (allocated)
+        self.journal_size = 0
+        # slot -> (PageRecord, checksum, generation, approx. journal bytes of its record)
+        self.entries: dict[int, tuple[PageRecord, int, int, int]] = {}
+        self.pending_free: dict[int, int] = {}    # slot -> generation of a free not yet journaled
+        self.forgotten: set[int] = set()          # discarded slots: a later free() of them is a no-op
+        self.live_bytes = 0
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self.bounce: mmap.mmap | None = None
+        self.bounce_np: np.ndarray | None = None
+        self.pad = bytes(self.stride - slot_bytes)            # written after each row to fill its stride
+        self.pad_scratch = bytearray(self.stride - slot_bytes)  # where reads drop the padding
+
+    def bounce_for(self, nbytes: int) -> np.ndarray:
+        if self.bounce_np is None or self.bounce_np.nbytes < nbytes:
+            if self.bounce is not None:
+                self.bounce_np = None
+                self.bounce.close()
+            self.bounce, self.bounce_np = _aligned_buffer(nbytes)
+        return self.bounce_np
+
+    def runs(self, sorted_slots: list[int]) -> list[tuple[int, int]]:
+        """[a, b) index ranges of ``sorted_slots`` that are adjacent on disk, capped per I/O call."""
+        per_row = 2 if self.pad else 1
+        cap = max(1, min(_IOV_MAX // per_row, MAX_RUN_BYTES // self.stride))
+        out, a = [], 0
+        for i in range(1, len(sorted_slots) + 1):
+            if i == len(sorted_slots) or sorted_slots[i] != sorted_slots[i - 1] + 1 or i - a >= cap:
+                out.append((a, i))
+                a = i
+        return out
+
+
+# -- the tier ------------------------------------------------------------------------------------
+
+class DiskTier:
+    """Durable disk spill for the cold pool groups; see the module docstring."""
+
+    recovered: list[RecoveredPage]
+    discarded: list[tuple[int, int, str]]
+
+    def __init__(self) -> None:  # use DiskTier.open
+        self.path = ""
+        self.fsync = True
+        self.min_free: int | None = None
+        self.o_direct = False
+        self.o_direct_supported = False
+        self.fingerprint: dict = {}
+        self.groups: list[_Group] = []
+        self.recovered = []
+        self.discarded = []
+        self.journal_errors: list[tuple[int, int, str]] = []   # (group, offset, reason)
+        self.checkpoint_floor = CHECKPOINT_FLOOR
+        self._lock_fd = -1
+        self._closed = True
+        self._gen = 1
+        self._gen_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._faults: dict[str, list[int]] = {}
+        self._stats = dict(bytes_written=0, bytes_read=0, pages_written=0, pages_read=0, discarded=0,
+                           checksum_seconds=0.0, io_seconds=0.0, fsync_seconds=0.0, checkpoints=0)
+
+    # ---- open / close ----
+
+    @classmethod
+    def open(cls, path: str, fingerprint: dict, groups: list[tuple[int, int]], *,
+             on_mismatch: str = "error", o_direct: str = "auto", min_free: int | None = None,
+             fsync: bool = True) -> "DiskTier":
+        if on_mismatch not in ("error", "wipe"):
+            raise ConfigError("tiers.disk.on_mismatch", f"expected 'error' or 'wipe', got {on_mismatch!r}")
+        if o_direct not in ("auto", "on", "off"):
+            raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {o_direct!r}")
+        if min_free is not None and (not isinstance(min_free, int) or min_free < 0):
+            raise ConfigError("tiers.disk.min_free", f"must be a byte count >= 0, got {min_free!r}")
+        if not isinstance(fingerprint, dict):
+            raise ConfigError("tiers.disk.layout", f"fingerprint must be a dict, got {type(fingerprint).__name__}")
+        norm_groups: list[tuple[int, int]] = []
+        for i, g in enumerate(groups):
+            try:
+                sb, n = g
+            except (TypeError, ValueError):
+                raise ConfigError("tiers.disk.layout", f"group {i} must be (slot_bytes, slots), got {g!r}") from None
+            if not isinstance(sb, int) or isinstance(sb, bool) or sb <= 0 or \
+                    not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ConfigError("tiers.disk.layout", f"group {i} must be (slot_bytes > 0, slots >= 0), got {g!r}")
+            norm_groups.append((sb, n))
+        try:
+            fingerprint = _unpackb(_packb(fingerprint))          # compare as stored (tuples -> lists)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("tiers.disk.layout", f"fingerprint is not msgpack-serialisable: {e}") from None
+
+        self = cls()
+        self.path = os.path.abspath(path)
+        self.fsync = bool(fsync)
+        self.min_free = min_free
+        self.fingerprint = fingerprint
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError("tiers.disk.path", f"cannot create {self.path!r}: {e.strerror}") from None
+        self._take_lock()
+        try:
+            self._open_locked(norm_groups, on_mismatch, o_direct)
+        except BaseException:
+            self._release_fds()
+            raise
+        self._closed = False
+        return self
+
+    def _take_lock(self) -> None:
+        lock_path = os.path.join(self.path, _LOCK)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError("tiers.disk.path", f"cannot create lock file {lock_path!r}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            os.close(fd)
+            raise ConfigError("tiers.disk.path",
+                              f"{self.path!r} is in use by another disk tier (lock held by pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _open_locked(self, groups: list[tuple[int, int]], on_mismatch: str, o_direct: str) -> None:
+        header_path = os.path.join(self.path, _HEADER)
+        want = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "groups": [list(g) for g in groups]}
+        problem = None
+        fresh = not os.path.exists(header_path)
+        if not fresh:
+            try:
+                with open(header_path, "rb") as f:
+                    have = _unpackb(f.read())
+                if not isinstance(have, dict):
+                    raise ValueError("not a map")
+            except (OSError, ValueError, msgpack.UnpackException) as e:
+                problem = f"header {header_path!r} is unreadable ({e})"
+            else:
+                if have.get("format") != FORMAT_VERSION:
+                    problem = f"format version {have.get('format')!r} on disk, this build writes {FORMAT_VERSION}"
+                else:
+                    problem = self._layout_difference(have.get("groups"), want["groups"]) or \
+                        _first_difference(have.get("fingerprint"), self.fingerprint, "")
+                    if problem and not problem.startswith("pool group") and not problem.startswith("directory has"):
+                        problem = f"fingerprint {problem}"
+        if problem is not None:
+            if on_mismatch != "wipe":
+                raise ConfigError("tiers.disk.layout",
+                                  f"{self.path!r} holds another layout: {problem} (on_mismatch='wipe' discards it)")
+            log.warning("disk tier %s: %s; wiping the old pages", self.path, problem)
+        if fresh or problem is not None:
+            self._remove_data_files()
+            tmp = header_path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(_packb(want))
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, header_path)
+            if self.fsync:
+                _fsync_dir(self.path)
+
+        self.o_direct_supported = self._probe_o_direct()
+        if o_direct == "on" and not self.o_direct_supported:
+            raise ConfigError("tiers.disk.o_direct", f"the filesystem of {self.path!r} does not support O_DIRECT")
+        self.o_direct = o_direct == "on"
+        self._stats["o_direct"] = self.o_direct
+
+        self.groups = [_Group(i, sb, n, self.path) for i, (sb, n) in enumerate(groups)]
+        needs_checkpoint: list[_Group] = []
+        max_gen = 0
+        for g in self.groups:
+            gen, dirty = self._recover_group(g)
+            max_gen = max(max_gen, gen)
+            if dirty:
+                needs_checkpoint.append(g)
+        self._gen = max_gen + 1
+        if self.fsync:
+            _fsync_dir(self.path)
+        for g in needs_checkpoint:
+            self._checkpoint_locked(g)
+        self.recovered = sorted(
+            (RecoveredPage(g.index, s, e[0], e[2]) for g in self.groups for s, e in g.entries.items()),
+            key=lambda p: p.generation)
+        self._stats["discarded"] = len(self.discarded)
+
+    @staticmethod
+    def _layout_difference(have: Any, want: list) -> str | None:
+        if not isinstance(have, list):
+            return "directory has no pool group list"
+        if len(have) != len(want):
+            return f"directory has {len(have)} cold pool groups, this store has {len(want)}"
+        for i, (a, b) in enumerate(zip(have, want)):
+            if list(a) != list(b):
+                return (f"pool group {i} differs: directory has (slot_bytes={a[0]}, slots={a[1]}), "
+                        f"this store has (slot_bytes={b[0]}, slots={b[1]})")
+        return None
+
+    def _remove_data_files(self) -> None:
+        for name in os.listdir(self.path):
+            if name.startswith("group-") and (name.endswith((".seg", ".journal", ".tmp"))):
+                os.unlink(os.path.join(self.path, name))
+
+    def _probe_o_direct(self) -> bool:
+        if not hasattr(os, "O_DIRECT"):
+            return False
+        probe = os.path.join(self.path, ".o_direct_probe")
+        mm, buf = _aligned_buffer(ALIGN)
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            try:
+                return os.pwrite(fd, memoryview(buf), 0) == ALIGN
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        finally:
+            del buf
+            mm.close()
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+    def _open_seg(self, g: _Group) -> None:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct else 0)
+        g.seg_fd = os.open(g.seg_path, flags, 0o644)
+        g.size = os.fstat(g.seg_fd).st_size
+
+    def _recover_group(self, g: _Group) -> tuple[int, bool]:
+        """Replay group g's journal; returns (highest generation seen, needs a checkpoint)."""
+        seg_exists = os.path.exists(g.seg_path)
+        self._open_seg(g)
+        g.journal_fd = os.open(g.journal_path, os.O_RDWR | os.O_CREAT, 0o644)
+        data = b""
+        size = os.fstat(g.journal_fd).st_size
+        if size:
+            data = os.pread(g.journal_fd, size, 0)
+        max_gen, off, good, dirty = 0, 0, 0, size == 0
+        entries: dict[int, tuple[PageRecord, int, int, int]] = {}
+        bad_reason = None
+        while off < len(data):
+            if len(data) - off < _FRAME.size:
+                bad_reason = "torn frame header"
+                break
+            ln, crc = _FRAME.unpack_from(data, off)
+            if ln > len(data) - off - _FRAME.size:
+                bad_reason = f"torn frame (needs {ln} bytes, {len(data) - off - _FRAME.size} left)"
+                break
+            payload = data[off + _FRAME.size: off + _FRAME.size + ln]
+            if zlib.crc32(payload) != crc:
+                bad_reason = "frame checksum mismatch"
+                break
+            try:
+                obj = _unpackb(payload)
+                if off == 0:
+                    if not isinstance(obj, dict) or obj.get("group") != g.index or \
+                            obj.get("format") != FORMAT_VERSION:
+                        raise ValueError("bad journal header")
+                    max_gen = max(max_gen, int(obj.get("next_gen", 1)) - 1)
+                else:
+                    max_gen = max(max_gen, self._apply_frame(g, obj, entries, ln))
+            except (ValueError, TypeError, IndexError, msgpack.UnpackException) as e:
+                bad_reason = f"undecodable frame ({e})"
+                break
+            off += _FRAME.size + ln
+            good = off
+        if bad_reason is not None:
+            lost = len(data) - good
+            msg = f"journal {g.journal_path}: {bad_reason} at offset {good}; {lost} bytes dropped"
+            log.warning("disk tier: %s", msg)
+            self.journal_errors.append((g.index, good, msg))
+            os.ftruncate(g.journal_fd, good)
+            dirty = True
+        g.journal_size = good
+
+        # Check what is cheap: the segment exists and covers every recorded slot.
+        reasons: dict[str, int] = {}
+        for slot, e in sorted(entries.items()):
+            reason = None
+            if slot >= g.slots:
+                reason = f"slot {slot} is outside the group's {g.slots} slots"
+            elif not seg_exists:
+                reason = "segment file missing"
+            elif slot * g.stride + g.slot_bytes > g.size:
+                reason = f"segment truncated (size {g.size}, page ends at {slot * g.stride + g.slot_bytes})"
+            if reason is None:
+                g.entries[slot] = e
+                g.live_bytes += e[3]
+            else:
+                self.discarded.append((g.index, slot, reason))
+                reasons[reason.split(" (")[0]] = reasons.get(reason.split(" (")[0], 0) + 1
+                dirty = True
+        for reason, n in reasons.items():
+            log.warning("disk tier: group %d: %d page(s) discarded at open: %s", g.index, n, reason)
+        return max_gen, dirty
+
+    def _apply_frame(self, g: _Group, recs: Any, entries: dict, frame_bytes: int) -> int:
+        if not isinstance(recs, list):
+            raise ValueError("frame is not a record list")
+        parsed = []
+        per = frame_bytes // max(1, len(recs))
+        max_gen = 0
+        for r in recs:
+            if r[0] == _REC_WRITE:
+                _, slot, gen, csum, key, parent, depth, lc, prio = r
+                if not (_is_key(key) and (parent is None or _is_key(parent))):
+                    raise ValueError(f"bad key in record {r!r}")
+                parsed.append((int(slot), int(gen), (PageRecord(key, parent, int(depth), int(lc), int(prio)),
+                                                      int(csum), int(gen), per)))
+            elif r[0] == _REC_FREE:
+                _, slot, gen = r
+                parsed.append((int(slot), int(gen), None))
+            else:
+                raise ValueError(f"unknown record tag {r[0]!r}")
+        for slot, gen, entry in parsed:   # a frame applies all or nothing
+            max_gen = max(max_gen, gen)
+            old = entries.get(slot)
+            if old is not None and old[2] > gen:
+                continue
+            if entry is None:
+                entries.pop(slot, None)
+            else:
+                entries[slot] = entry
+        return max_gen
+
+    def close(self) -> None:
+        """Flush, compact every journal, release the lock. Idempotent."""
+        if self._closed:
+            return
+        try:
+            for g in self.groups:
+                with g.lock:
+                    if g.broken is None:
+                        try:
+                            self._checkpoint_locked(g)
+                        except OSError as e:
+                            log.warning("disk tier: checkpoint of group %d at close failed: %s", g.index, e)
+                            try:
+                                self._flush_locked(g)
+                            except OSError as e2:
+                                log.error("disk tier: group %d: pending frees not journaled: %s", g.index, e2)
+        finally:
+            self._closed = True
+            self._release_fds()
+
+    def _release_fds(self) -> None:
+        for g in self.groups:
+            for attr in ("seg_fd", "journal_fd"):
+                fd = getattr(g, attr)
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                    setattr(g, attr, -1)
+            g.bounce_np = None
+            if g.bounce is not None:
+                g.bounce.close()
+                g.bounce = None
+        if self._lock_fd >= 0:
+            try:
+                os.ftruncate(self._lock_fd, 0)
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def __enter__(self) -> "DiskTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- helpers ----
+
+    def _group(self, group: int) -> _Group:
+        if self._closed:
+            raise StoreClosedError("disk tier is closed")
+        if not isinstance(group, int) or not 0 <= group < len(self.groups):
+            raise UsageError(f"no disk pool group {group!r} (have {len(self.groups)})")
+        return self.groups[group]
+
+    @staticmethod
+    def _usable(g: _Group) -> None:
+        if g.broken is not None:
+            raise TierIOError(errno.EIO, f"disk tier group {g.index} is unusable: {g.broken}; reopen the tier")
+
+    def _check_slots(self, g: _Group, slots: list[int]) -> None:
+        for s in slots:
+            if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < g.slots:
+                raise UsageError(f"slot {s!r} is outside disk group {g.index}'s {g.slots} slots")
+        if len(set(slots)) != len(slots):
+            raise UsageError(f"duplicate slots in one call on disk group {g.index}")
+
+    def _take_gens(self, n: int) -> int:
+        with self._gen_lock:
+            first = self._gen
+            self._gen += n
+            return first
+
+    def _fault(self, op: str) -> None:
+        with self._stats_lock:
+            q = self._faults.get(op)
+            if not q:
+                return
+            err = q.pop(0)
+        raise OSError(err, f"injected fault: {os.strerror(err)}")
+
+    def _add_stats(self, **kw: float) -> None:
+        with self._stats_lock:
+            for k, v in kw.items():
+                self._stats[k] += v
+
+    def _discard(self, g: _Group, slots: Iterable[int], reason: str) -> None:
+        """Forget pages found bad (caller holds g.lock); their frees are journaled lazily."""
+        slots = list(slots)
+        if not slots:
+            return
+        gen = self._take_gens(len(slots))
+        for i, s in enumerate(slots):
+            e = g.entries.pop(s)
+            g.live_bytes -= e[3]
+            g.pending_free[s] = gen + i
+            g.forgotten.add(s)
+        with self._stats_lock:
+            self.discarded.extend((g.index, s, reason) for s in slots)
+            self._stats["discarded"] += len(slots)
+        log.warning("disk tier: group %d: discarded %d page(s) %s: %s", g.index, len(slots),
+                    slots if len(slots) <= 16 else f"{slots[:16]}...", reason)
+
+    def _append(self, g: _Group, records: list) -> int:
+        """Append one frame to g's journal and make it durable (on failure roll it back); returns its size."""
+        frame = _frame(records)
+        start = g.journal_size
+        t0 = time.perf_counter()
+        try:
+            _pwritev_all(g.journal_fd, [frame], start)
+            if self.fsync:
+                os.fdatasync(g.journal_fd)
+        except OSError as e:
+            try:
+                os.ftruncate(g.journal_fd, start)
+                if self.fsync:
+                    os.fdatasync(g.journal_fd)
+            except OSError as e2:
+                g.broken = f"journal append failed ({e.strerror}) and could not be rolled back ({e2.strerror})"
+            raise _typed(e, f"journal append to {g.journal_path}") from e
+        g.journal_size = start + len(frame)
+        self._add_stats(fsync_seconds=time.perf_counter() - t0)
+        return len(frame)
+
+    def _free_records(self, g: _Group) -> list:
+        return [[_REC_FREE, s, gen] for s, gen in g.pending_free.items()]
+
+    def _flush_locked(self, g: _Group) -> None:
+        if g.pending_free and g.broken is None:
+            self._append(g, self._free_records(g))
+            g.pending_free.clear()
+            self._maybe_checkpoint(g)
+
+    def _maybe_checkpoint(self, g: _Group) -> None:
+        snapshot = g.live_bytes + 4096
+        if g.journal_size > max(CHECKPOINT_RATIO * snapshot, self.checkpoint_floor):
+            try:
+                self._checkpoint_locked(g)
+            except OSError as e:   # the old journal is still intact and valid
+                log.warning("disk tier: journal compaction of group %d failed: %s", g.index, e)
+
+    def _checkpoint_locked(self, g: _Group) -> None:
+        tmp = g.journal_path + ".tmp"
+        with self._gen_lock:
+            next_gen = self._gen
+        header = {"format": FORMAT_VERSION, "group": g.index, "next_gen": next_gen}
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        live = 0
+        try:
+            chunks = [_frame(header)]
+            items = sorted(g.entries.items(), key=lambda kv: kv[1][2])
+            for i in range(0, len(items), 4096):
+                recs = [[_REC_WRITE, s, e[2], e[1], e[0].key, e[0].parent, e[0].depth, e[0].life_cycle,
+                         e[0].priority] for s, e in items[i:i + 4096]]
+                f = _frame(recs)
+                chunks.append(f)
+                live += len(f)
+            data = b"".join(chunks)
+            _pwritev_all(fd, [data], 0)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
+        os.replace(tmp, g.journal_path)
+        if self.fsync:
+            _fsync_dir(self.path)
+        old = g.journal_fd
+        g.journal_fd = os.open(g.journal_path, os.O_RDWR)
+        os.close(old)
+        g.journal_size = len(data)
+        g.pending_free.clear()     # the snapshot already leaves freed slots out
+        if items:                  # re-estimate per-record bytes from the snapshot
+            per = live // len(items)
+            g.entries = {s: (e[0], e[1], e[2], per) for s, e in g.entries.items()}
+            g.live_bytes = per * len(items)
+        else:
+            g.live_bytes = 0
+        self._add_stats(checkpoints=1)
+
+    def _ensure_size(self, g: _Group, needed: int) -> None:
+        """Grow g's segment (preallocated) so that it covers ``needed`` bytes."""
+        if needed <= g.size:
+            return
+        step = max(g.stride, min(GROW_STEP, _round_up(g.max_size // 8, g.stride)))
+        target = min(g.max_size, max(_round_up(needed, g.stride), _round_up(g.size + step, g.stride)))
+        for size in dict.fromkeys((target, _round_up(needed, g.stride))):
+            if self.min_free is not None:
+                st = os.statvfs(self.path)
+                if st.f_bavail * st.f_frsize - (size - g.size) < self.min_free:
+                    continue
+            try:
+                os.posix_fallocate(g.seg_fd, g.size, size - g.size)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+                    try:
+                        os.ftruncate(g.seg_fd, size)
+                    except OSError as e2:
+                        raise _typed(e2, f"growing {g.seg_path}") from e2
+                elif e.errno in (errno.ENOSPC, errno.EDQUOT) and size > needed:
+                    continue       # try again with just what this batch needs
+                else:
+                    raise _typed(e, f"growing {g.seg_path}") from e
+            g.size = size
+            return
+        if self.min_free is not None:
+            raise DiskFullError(errno.ENOSPC, f"disk tier: writing group {g.index} would leave less than "
+                                              f"min_free={self.min_free} bytes free on {self.path}")
+        raise DiskFullError(errno.ENOSPC, f"disk tier: no space to grow {g.seg_path}")
+
+    @staticmethod
+    def _as_rows(t: Any, n: int, width: int, what: str, writable: bool) -> np.ndarray:
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu":
+                raise UsageError(f"{what} must be a CPU tensor, got device {t.device}")
+            if t.dtype != torch.uint8:
+                raise UsageError(f"{what} must be uint8, got {t.dtype}")
+            if tuple(t.shape) != (n, width):
+                raise UsageError(f"{what} must have shape ({n}, {width}), got {tuple(t.shape)}")
+            if writable:
+                if not t.is_contiguous():
+                    raise UsageError(f"{what} must be contiguous")
+            elif n and t.stride(1) != 1:
+                t = t.contiguous()
+            return t.detach().numpy()
+        if isinstance(t, np.ndarray) and t.dtype == np.uint8 and t.shape == (n, width):
+            if (writable and not t.flags.c_contiguous) or (n and t.strides[1] != 1):
+                raise UsageError(f"{what} rows must be contiguous")
+            return t
+        raise UsageError(f"{what} must be a uint8 CPU tensor of shape ({n}, {width})")
+
+    def _direct_ok(self, arr: np.ndarray, order: list[int], a: int, b: int, g: _Group) -> bool:
+        if g.pad or g.slot_bytes % ALIGN:
+            return False
+        base, rs = arr.ctypes.data, arr.strides[0]
+        return all((base + i * rs) % ALIGN == 0 for i in order[a:b])
+
+    # ---- data path ----
+
+    def write(self, group: int, slots: list[int], rows: torch.Tensor, records: list[PageRecord]) -> None:
+        """Store ``rows[i]`` in ``slots[i]`` with ``records[i]``; durable when it returns."""
+        g = self._group(group)
+        slots = list(slots)
+        n = len(slots)
+        if len(records) != n:
+            raise UsageError(f"{n} slots but {len(records)} records")
+        self._check_slots(g, slots)
+        for r in records:
+            if not isinstance(r, PageRecord):
+                raise UsageError(f"records must be PageRecord, got {type(r).__name__}")
+            if not _is_key(r.key) or not (r.parent is None or _is_key(r.parent)):
+                raise UsageError(f"block keys must be int or bytes, got {r.key!r} / {r.parent!r}")
+        arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
+        if n == 0:
+            return
+        with g.lock:
+            if self._closed:
+                raise StoreClosedError("disk tier is closed")
+            self._usable(g)
+            for s in slots:
+                if s in g.entries:
+                    raise UsageError(f"slot {s} of disk group {g.index} holds a live page; free it first")
+            t0 = time.perf_counter()
+            csums = [xxhash.xxh3_64_intdigest(arr[i]) for i in range(n)]
+            t1 = time.perf_counter()
+            order = sorted(range(n), key=slots.__getitem__)
+            sorted_slots = [slots[i] for i in order]
+            self._ensure_size(g, (sorted_slots[-1] + 1) * g.stride)
+            # 1. frees of the target slots must be durable before their old bytes are overwritten
+            if any(s in g.pending_free for s in slots):
+                self._append(g, self._free_records(g))
+                g.pending_free.clear()
+            # 2. the data, then a barrier
+            try:
+                self._fault("write")
+                for a, b in g.runs(sorted_slots):
+                    off = sorted_slots[a] * g.stride
+                    if self.o_direct and not self._direct_ok(arr, order, a, b, g):
+                        buf = g.bounce_for(min(BOUNCE_BYTES, (b - a) * g.stride))
+                        per = max(1, buf.nbytes // g.stride)
+                        for c in range(a, b, per):
+                            d = min(b, c + per)
+                            for k, i in enumerate(order[c:d]):
+                                buf[k * g.stride:k * g.stride + g.slot_bytes] = arr[i]
+                            _pwritev_all(g.seg_fd, [memoryview(buf)[:(d - c) * g.stride]],
+                                         sorted_slots[c] * g.stride)
+                    else:
+                        bufs = []
+                        for i in order[a:b]:
+                            bufs.append(arr[i])
+                            if g.pad:
+                                bufs.append(g.pad)
+                        _pwritev_all(g.seg_fd, bufs, off)
+                if self.fsync:
+                    os.fdatasync(g.seg_fd)
+            except OSError as e:
+                raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
+            t2 = time.perf_counter()
+            # 3. the records (with any other pending frees of the group), then a barrier
+            gen = self._take_gens(n)
+            recs = self._free_records(g)
+            for k, (s, r, c) in enumerate(zip(slots, records, csums)):
+                recs.append([_REC_WRITE, s, gen + k, c, r.key, r.parent, r.depth, r.life_cycle, r.priority])
+            per = self._append(g, recs) // len(recs)
+            g.pending_free.clear()
+            for k, (s, r, c) in enumerate(zip(slots, records, csums)):
+                g.entries[s] = (r, c, gen + k, per)
+                g.forgotten.discard(s)
+            g.live_bytes += per * n
+            t3 = time.perf_counter()
+            self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=t1 - t0,
+                            io_seconds=(t3 - t1))
+            self._maybe_checkpoint(g)
+
+    def _read_locked(self, g: _Group, slots: list[int], out: np.ndarray) -> tuple[list[int], list[int], float, float]:
+        """Read and verify; returns (short slots, checksum-mismatch slots, io seconds, checksum seconds)."""
+        n = len(slots)
+        order = sorted(range(n), key=slots.__getitem__)
+        sorted_slots = [slots[i] for i in order]
+        short: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            self._fault("read")
+            for a, b in g.runs(sorted_slots):
+                off = sorted_slots[a] * g.stride
+                if self.o_direct and not self._direct_ok(out, order, a, b, g):
+                    buf = g.bounce_for(min(BOUNCE_BYTES, (b - a) * g.stride))
+                    per = max(1, buf.nbytes // g.stride)
+                    for c in range(a, b, per):
+                        d = min(b, c + per)
+                        got = _preadv_all(g.seg_fd, [memoryview(buf)[:(d - c) * g.stride]],
+                                          sorted_slots[c] * g.stride)
+                        for k, i in enumerate(order[c:d]):
+                            if got >= k * g.stride + g.slot_bytes:
+                                out[i] = buf[k * g.stride:k * g.stride + g.slot_bytes]
+                            else:
+                                short.append(slots[i])
+                else:
+                    bufs = []
+                    for i in order[a:b]:
+                        bufs.append(out[i])
+                        if g.pad:
+                            bufs.append(g.pad_scratch)
+                    got = _preadv_all(g.seg_fd, bufs, off)
+                    for k, i in enumerate(order[a:b]):
+                        if got < k * g.stride + g.slot_bytes:
+                            short.append(slots[i])
+        except OSError as e:
+            raise _typed(e, f"reading {n} page(s) from {g.seg_path}") from e
+        t1 = time.perf_counter()
+        shortset = set(short)
+        bad = [s for i, s in enumerate(slots)
+               if s not in shortset and xxhash.xxh3_64_intdigest(out[i]) != g.entries[s][1]]
+        return short, bad, t1 - t0, time.perf_counter() - t1
+
+    def read(self, group: int, slots: list[int], out: torch.Tensor) -> None:
+        """Fill ``out[i]`` with the page in ``slots[i]``, verifying checksums."""
+        g = self._group(group)
+        slots = list(slots)
+        n = len(slots)
+        self._check_slots(g, slots)
+        arr = self._as_rows(out, n, g.slot_bytes, "out", writable=True)
+        if n == 0:
+            return
+        with g.lock:
+            if self._closed:
+                raise StoreClosedError("disk tier is closed")
+            self._usable(g)
+            missing = [s for s in slots if s not in g.entries]
+            if missing:
+                raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16]}")
+            short, bad, tio, tck = self._read_locked(g, slots, arr)
+            self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck)
+            if short:
+                self._discard(g, short, "short read (segment ends before the page)")
+            if bad:
+                self._discard(g, bad, "checksum mismatch")
+            if short or bad:
+                err = CorruptPageError(f"disk group {g.index}: {len(short) + len(bad)} bad page(s): "
+                                       f"{sorted(short + bad)[:16]}")
+                err.slots = sorted(short + bad)
+                err.group = g.index
+                raise err
+
+    def verify_all(self, batch: int = 64) -> list[tuple[int, int, str]]:
+        """Read and checksum every live page; discard the bad ones. Returns what it discarded."""
+        found: list[tuple[int, int, str]] = []
+        for g in self.groups:
+            scratch = np.empty((batch, g.slot_bytes), dtype=np.uint8)
+            with g.lock:
+                self._group(g.index)
+                self._usable(g)
+                live = sorted(g.entries)
+                for i in range(0, len(live), batch):
+                    part = live[i:i + batch]
+                    short, bad, tio, tck = self._read_locked(g, part, scratch[:len(part)])
+                    self._add_stats(bytes_read=len(part) * g.slot_bytes, io_seconds=tio, checksum_seconds=tck)
+                    if short:
+                        self._discard(g, short, "short read (segment ends before the page)")
+                        found += [(g.index, s, "short read") for s in short]
+                    if bad:
+                        self._discard(g, bad, "checksum mismatch")
+                        found += [(g.index, s, "checksum mismatch") for s in bad]
+        return found
+
+    def free(self, group: int, slots: list[int]) -> None:
+        """Forget the pages in ``slots`` (journaled with the group's next append)."""
+        g = self._group(group)
+        slots = list(slots)
+        self._check_slots(g, slots)
+        with g.lock:
+            if self._closed:
+                raise StoreClosedError("disk tier is closed")
+            for s in slots:
+                if s not in g.entries and s not in g.forgotten:
+                    raise UsageError(f"slot {s} of disk group {g.index} holds no page (freed twice?)")
+            live = [s for s in slots if s in g.entries]
+            gen = self._take_gens(len(live)) if live else 0
+            for k, s in enumerate(live):
+                e = g.entries.pop(s)
+                g.live_bytes -= e[3]
+                g.pending_free[s] = gen + k
+            g.forgotten.difference_update(slots)
+            if len(g.pending_free) >= PENDING_FREE_FLUSH and g.broken is None:
+                try:
+                    self._flush_locked(g)
+                except OSError as e:   # stays pending; a later append retries
+                    log.warning("disk tier: journaling frees of group %d failed: %s", g.index, e)
+
+    def flush(self) -> None:
+        """Make every pending journal record (frees) durable."""
+        if self._closed:
+            raise StoreClosedError("disk tier is closed")
+        for g in self.groups:
+            with g.lock:
+                self._usable(g)
+                self._flush_locked(g)
+
+    def checkpoint(self, group: int | None = None) -> None:
+        """Rewrite the journal(s) as a snapshot of the live records."""
+        targets = [self._group(group)] if group is not None else list(self.groups)
+        if self._closed:
+            raise StoreClosedError("disk tier is closed")
+        for g in targets:
+            with g.lock:
+                self._usable(g)
+                try:
+                    self._checkpoint_locked(g)
+                except OSError as e:
+                    raise _typed(e, f"compacting {g.journal_path}") from e
+
+    # ---- introspection / testing ----
+
+    def inject_fault(self, op: str, err: int, count: int = 1) -> None:
+        """Make the next ``count`` ``op`` ("write" or "read") calls fail with OSError(err) at the I/O point."""
+        if op not in ("write", "read"):
+            raise UsageError(f"inject_fault: op must be 'write' or 'read', got {op!r}")
+        with self._stats_lock:
+            self._faults.setdefault(op, []).extend([err] * count)
+
+    def record(self, group: int, slot: int) -> PageRecord | None:
+        g = self._group(group)
+        with g.lock:
+            e = g.entries.get(slot)
+            return None if e is None else e[0]
+
+    def live_slots(self, group: int) -> list[int]:
+        g = self._group(group)
+        with g.lock:
+            return sorted(g.entries)
+
+    def stride(self, group: int) -> int:
+        return self._group(group).stride
+
+    def segment_path(self, group: int) -> str:
+        return self.groups[group].seg_path
+
+    def journal_path(self, group: int) -> str:
+        return self.groups[group].journal_path
+
+    def journal_size(self, group: int) -> int:
+        return self.groups[group].journal_size
+
+    @property
+    def stats(self) -> dict:
+        with self._stats_lock:
+            return dict(self._stats)
