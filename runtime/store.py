@@ -432,6 +432,7 @@ class Store:
                 self._adopt(node, row, seq, i)
             seq.recompute = {(b, lc) for b, lc in seq.recompute if b != i}
         seq.committed = max(seq.committed, n)
+        self._touch(p for row in reversed(seq.pages[:n]) for p in row if p is not None)
 
     def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int) -> None:
         """Publish ``row``'s pages into ``node`` where it has none (or only an idle colder copy)."""

@@ -1,0 +1,64 @@
+"""Small builders shared by the runtime tests."""
+from __future__ import annotations
+
+import torch
+
+from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, ReusePolicy, StoreConfig
+from runtime.content import key_seed, pattern
+
+
+def config(gpu=8, host=None, disk=None, disk_dir=None, tpb=4, layers=None, codec="concat", **kw) -> StoreConfig:
+    layers = layers or [LayerSpec(0, (("k", 256), ("v", 256)))]
+    return StoreConfig(
+        layers=layers, tokens_per_block=tpb, gpu=GpuConfig(slots=gpu, device="cpu"),
+        host=HostConfig(slots=host, codec=codec) if host else None,
+        disk=DiskConfig(path=str(disk_dir), slots=disk, fsync=False) if disk else None, **kw)
+
+
+def two_life_cycles(window_reuse=ReusePolicy.SINK_REQUIRED_ONLY, window=8, sinks=4):
+    kv = (("k", 128), ("v", 128))
+    return [LayerSpec(0, kv), LayerSpec(1, kv, window_tokens=window, sink_tokens=sinks, reuse=window_reuse)]
+
+
+def write_blocks(store, seq, blocks, tag=0) -> None:
+    """Write deterministic bytes into every layer's pools for ``blocks``."""
+    for lc in store.lcs:
+        off = 0
+        for layer, role, size in lc.buffers:
+            view = store.pool_tensor(layer, role)
+            idx = seq.page_indices(layer)
+            for b in blocks:
+                if idx[b] >= 0:
+                    data = pattern([key_seed(seq.keys[b], lc.index) + tag], lc.page_bytes)[0]
+                    view[idx[b]] = data[off:off + size]
+            off += size
+
+
+def read_block(store, seq, layer_lc, b) -> torch.Tensor:
+    lc = store.lcs[layer_lc]
+    parts = []
+    for layer, role, size in lc.buffers:
+        parts.append(store.pool_tensor(layer, role)[seq.page_indices(layer)[b]].clone())
+    return torch.cat(parts)
+
+
+def expected_block(store, seq, lc, b, tag=0) -> torch.Tensor:
+    return pattern([key_seed(seq.keys[b], lc) + tag], store.lcs[lc].page_bytes)[0]
+
+
+async def fill(store, tokens, n_blocks=None, priority=None):
+    """One request: open, acquire, extend the rest, write, commit, close."""
+    seq = await store.open_sequence(tokens=tokens, priority=priority)
+    await seq.acquire()
+    start = seq.num_blocks
+    n = len(seq.keys) if n_blocks is None else n_blocks
+    await seq.extend(n - start)
+    write_blocks(store, seq, range(start, n))
+    seq.commit(n)
+    await seq.release()
+    await seq.close()
+    return seq
+
+
+def toks(base, n_blocks, tpb=4):
+    return [base * 100000 + i for i in range(n_blocks * tpb)]

@@ -1,0 +1,193 @@
+"""Migration: shared moves, no redundant copies, failures, cancellation,
+tier equivalence with a plain LRU, and concurrent sequences under pressure."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from runtime import Store, TierIOError
+from runtime.pages import GPU, HOST
+from runtime.trace import read_trace
+
+from helpers import config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
+
+TRACE = "../shared/traces/synthetic_trace.jsonl"
+
+
+async def _push_to_host(store, tokens):
+    await fill(store, tokens)
+    await fill(store, toks(99, 4))
+    seq = await store.open_sequence(tokens=tokens)
+    assert seq.matched_by_tier["host"] == 4
+    await seq.close()
+
+
+async def test_concurrent_acquires_share_one_move():
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await _push_to_host(store, toks(1, 4))
+        seqs = [await store.open_sequence(tokens=toks(1, 4)) for _ in range(5)]
+        await asyncio.gather(*(s.acquire() for s in seqs))
+        assert store.stats()["moves"]["host->gpu"]["pages"] == 4
+        slots = {tuple(s.page_indices(0)) for s in seqs}
+        assert len(slots) == 1
+        for b in range(4):
+            assert torch.equal(read_block(store, seqs[0], 0, b), expected_block(store, seqs[0], 0, b))
+        before = store.stats()["moves"]
+        again = await store.open_sequence(tokens=toks(1, 4))
+        await again.acquire()                              # already on the GPU: no copy
+        assert store.stats()["moves"] == before
+        for s in seqs + [again]:
+            await s.close()
+        store.check_consistency()
+
+
+async def test_failed_move_keeps_the_source_and_reaches_every_waiter():
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await _push_to_host(store, toks(1, 4))
+        fails = {"n": 1}
+
+        def fault(src, dst):
+            if src == HOST and dst == GPU and fails["n"]:
+                fails["n"] -= 1
+                raise TierIOError("injected EIO")
+        store.engine.fault = fault
+        seqs = [await store.open_sequence(tokens=toks(1, 4)) for _ in range(3)]
+        results = await asyncio.gather(*(s.acquire() for s in seqs), return_exceptions=True)
+        assert all(isinstance(r, TierIOError) for r in results)
+        assert store.stats()["moves"]["host->gpu"]["failures"] == 1
+        store.check_consistency()
+        for s in seqs:
+            assert not s.acquired
+            await s.close()
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        assert seq.matched_by_tier["host"] == 4             # nothing lost, still scheduled
+        await seq.acquire()                                  # the fault is spent: now it moves
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.close()
+        store.check_consistency()
+
+
+async def test_cancelled_acquire_leaks_nothing():
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await _push_to_host(store, toks(1, 4))
+        gate = threading.Event()
+        store.engine.up.submit(gate.wait)                    # the copy stream is busy
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        task = asyncio.ensure_future(seq.acquire())
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await asyncio.gather(*store._tasks)
+        await asyncio.sleep(0)
+        store.check_consistency()
+        assert not seq.acquired and not seq.busy
+        assert all(p.locks == 0 for row in seq.pages for p in row)
+        tiers = {p.tier for row in seq.pages for p in row}
+        assert tiers == {GPU}                                # the move completed; each page in one tier
+        await seq.close()
+        used = sum(g["used"] for t in store.stats()["tiers"].values() for g in t["groups"])
+        assert used == 8                                     # 2 committed sequences x 4 blocks
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        await seq.acquire()
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.close()
+
+
+class PlainLru:
+    """The oracle: one LRU of G+H+D blocks; requests touch blocks deepest-first."""
+
+    def __init__(self, capacity):
+        self.capacity, self.lru, self.hits, self.blocks = capacity, OrderedDict(), 0, 0
+
+    def request(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self.lru:
+            n += 1
+        self.hits += n
+        self.blocks += len(keys)
+        for k in reversed(keys):
+            self.lru[k] = True
+            self.lru.move_to_end(k)
+        while len(self.lru) > self.capacity:
+            self.lru.popitem(last=False)
+
+
+async def test_tier_equivalence_with_plain_lru(tmp_path):
+    requests, _ = read_trace(TRACE)
+    g, h, d = 800, 2400, 6000
+    oracle = PlainLru(g + h + d)
+    cfg = config(gpu=g, host=h, disk=d, disk_dir=tmp_path, tpb=512,
+                 layers=[__import__("runtime").LayerSpec(0, (("k", 64),))], persist_on_close=False)
+    hits = blocks = 0
+    async with Store.open(cfg) as store:
+        for r in requests:
+            keys = list(r.hash_ids)
+            oracle.request(keys)
+            seq = await store.open_sequence(block_keys=keys)
+            hits += seq.matched_blocks
+            blocks += len(keys)
+            await seq.acquire()
+            await seq.extend(len(keys) - seq.num_blocks)
+            seq.commit(len(keys))
+            await seq.release()
+            await seq.close()
+        store.check_consistency()
+        moves = store.stats()["moves"]
+    assert moves["host->disk"]["pages"] > 0 and moves["disk->gpu"]["pages"] > 0
+    ours, theirs = hits / blocks, oracle.hits / oracle.blocks
+    print(f"hit rate: store {ours:.4f}, plain LRU {theirs:.4f}")
+    assert theirs > 0.2
+    assert abs(ours - theirs) <= 0.005, (ours, theirs)
+
+
+async def test_concurrent_sequences_under_pressure(tmp_path):
+    rng = random.Random(7)
+    cfg = config(gpu=112, host=48, disk=96, disk_dir=tmp_path, layers=two_life_cycles(window=8, sinks=4))
+    prefixes = [toks(i, 3) for i in range(6)]
+    verified = 0
+
+    async with Store.open(cfg) as store:
+        async def worker(wid):
+            nonlocal verified
+            for _ in range(12):
+                tokens = rng.choice(prefixes) + toks(100 + rng.randrange(8), rng.randrange(1, 4))
+                seq = await store.open_sequence(tokens=tokens, priority=rng.randrange(0, 101))
+                try:
+                    await seq.acquire()
+                    for lc in (0, 1):
+                        layer = lc
+                        idx = seq.page_indices(layer)
+                        skip = set(seq.recompute_blocks(layer))
+                        for b in range(seq.matched_blocks):
+                            if idx[b] >= 0 and b not in skip:
+                                assert torch.equal(read_block(store, seq, lc, b), expected_block(store, seq, lc, b))
+                                verified += 1
+                    start = seq.num_blocks
+                    await seq.extend(len(seq.keys) - start)
+                    write_blocks(store, seq, list(range(start, len(seq.keys))) + seq.recompute_blocks(1))
+                    await asyncio.sleep(0)
+                    seq.commit(len(seq.keys))
+                    await seq.release()
+                    if rng.random() < 0.3:                      # suspend and resume
+                        await asyncio.sleep(0)
+                        await seq.acquire()
+                        await seq.release()
+                finally:
+                    await seq.close()
+
+        await asyncio.gather(*(worker(i) for i in range(8)))
+        store.check_consistency()
+        stats = store.stats()
+        assert all(g["locked"] == 0 and g["held"] == 0 for t in stats["tiers"].values() for g in t["groups"])
+        assert stats["moves"]["gpu->host"]["pages"] > 0 and stats["moves"]["host->disk"]["pages"] > 0
+    assert verified > 100
