@@ -33,6 +33,9 @@ except ImportError:   # pragma: no cover - tiers.disk lands with the disk tier
     PageRecord = None
 
 
+ANONYMOUS_KEY = b""      # disk record key of a page that must not be recovered
+
+
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """(row offset, first slot, length) of each run of consecutive slots."""
     out, start = [], 0
@@ -186,9 +189,11 @@ class MigrationEngine:
         out = []
         for p in pages:
             b = p.block
-            key = b.key if p.published else None      # unpublished pages are never recovered
-            out.append(PageRecord(key=key, parent=b.parent.key if b.parent is not None else None,
-                                  depth=b.depth, life_cycle=p.lc, priority=p.priority))
+            if p.published:
+                out.append(PageRecord(key=b.key, parent=b.parent.key if b.parent is not None else None,
+                                      depth=b.depth, life_cycle=p.lc, priority=p.priority))
+            else:       # a sequence's own page: its content is not committed, never recover it
+                out.append(PageRecord(key=ANONYMOUS_KEY, parent=None, depth=0, life_cycle=p.lc, priority=p.priority))
         return out
 
     def _dst_width(self, tier: int, group: int) -> int:

@@ -1,6 +1,7 @@
 """A sequence: one request's view of the store (its blocks and their pages)."""
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Sequence as Seq
 
 from tiers.errors import StoreClosedError, UsageError
@@ -17,7 +18,7 @@ class Sequence:
     store does the work, this object holds the sequence's state."""
 
     __slots__ = ("store", "keys", "tokens", "blocks", "pages", "priority", "matched_blocks", "matched_by_tier",
-                 "committed", "acquired", "closed", "busy", "recompute")
+                 "committed", "acquired", "closed", "busy", "task", "recompute")
 
     def __init__(self, store: "Store", keys: list[BlockKey], tokens: list[int] | None, priority: int) -> None:
         self.store = store
@@ -32,6 +33,7 @@ class Sequence:
         self.acquired = False
         self.closed = False
         self.busy = False
+        self.task = None                        # the running acquire/extend (it outlives a cancelled caller)
         self.recompute: set[tuple[int, int]] = set()   # (block, life cycle) pages with no cached data
 
     # -- state checks -------------------------------------------------------------
@@ -107,20 +109,26 @@ class Sequence:
                              "(append the tokens first)")
         self.store._commit(self, num_blocks)
 
+    async def _settle(self) -> None:
+        """Wait out an acquire/extend whose caller was cancelled."""
+        while self.busy and self.task is not None:
+            await asyncio.wait([self.task])
+            await asyncio.sleep(0)          # let its done-callbacks (the undo) run
+
     async def release(self, stream=None) -> None:
         """Unlock: pages become HELD (demotable, never dropped)."""
         self._check_open()
-        if self.busy:
-            raise UsageError("release while an acquire or extend of this sequence is running")
+        await self._settle()
         self.store._release(self, stream)
 
     async def close(self) -> None:
-        """Committed pages become DROPPABLE; the others are freed."""
+        """Committed pages become DROPPABLE; the others are freed. Waits for a
+        cancelled acquire or extend to finish first, so nothing leaks."""
         if self.closed:
             raise StoreClosedError("sequence is already closed")
-        if self.busy:
-            raise UsageError("close while an acquire or extend of this sequence is running")
-        self.store._close_sequence(self)
+        await self._settle()
+        if not self.closed:
+            self.store._close_sequence(self)
 
     async def __aenter__(self) -> "Sequence":
         return self

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Sequence as Seq
 
 from tiers.config import StoreConfig
 from tiers.device import Device
-from tiers.errors import OutOfPagesError, StoreClosedError, UsageError
+from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
 from tiers.grouping import Layout
 from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
@@ -28,7 +28,7 @@ from tiers.slots import SlotAllocator
 
 from .eviction import EvictionQueue
 from .keys import BlockKey, check_block_keys, hash_blocks
-from .migration import MigrationEngine
+from .migration import ANONYMOUS_KEY, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES, Block, Page
 from .readiness import wait_events
 from .sequence import Sequence
@@ -65,6 +65,7 @@ class Store:
         self.drops = 0
         self.recovered = 0
         self.discarded = 0
+        self.orphaned = 0
         self._tasks: set[asyncio.Task] = set()
         self.device: Device | None = None
         self.disk = None
@@ -143,11 +144,6 @@ class Store:
         self.engine.close()
         if self.disk is not None:
             self.disk.close()
-        for tier in self.owners:
-            for owners in tier:
-                for i in range(len(owners)):
-                    owners[i] = None
-        self.nodes.clear()
 
     def _check(self) -> None:
         if self.closed:
@@ -246,7 +242,7 @@ class Store:
             coro.close()
             raise UsageError("another acquire or extend of this sequence is running")
         seq.busy = True
-        task = self._spawn(coro)
+        task = seq.task = self._spawn(coro)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -322,7 +318,7 @@ class Store:
         if seq.acquired:
             raise UsageError("sequence is already acquired")
         needed = self._needed(seq)
-        holes = [(b, lc) for b, lc in needed if seq.pages[b][lc] is None]
+        holes = [(b, lc) for b, lc in needed if seq.pages[b][lc] is None or seq.pages[b][lc].dead]
         if holes:
             await self._fill_holes(seq, holes)
         pages = [seq.pages[b][lc] for b, lc in needed]
@@ -690,6 +686,8 @@ class Store:
             self.engine.stats.failures[f"{TIER_NAMES[batch[0].tier]}->{TIER_NAMES[dst_tier]}"] += 1
             self._give_back(dst_tier, g, dst_slots)
             self._unclaim(batch, exc)
+            if isinstance(exc, CorruptPageError):
+                self._discard_corrupt(batch, set(getattr(exc, "slots", ())))
             raise
         freed = []
         for p, s in zip(batch, dst_slots):
@@ -706,24 +704,46 @@ class Store:
         self._unclaim(batch, None)
         return freed
 
+    def _discard_corrupt(self, batch: list[Page], bad: set[int]) -> None:
+        """Pages the disk tier found corrupt are never served: drop them."""
+        for p in batch:
+            if p.tier == DISK and p.slot in bad and not p.dead:
+                self.discarded += 1
+                log.warning("discarding corrupt disk page (lc %d, depth %d)", p.lc, p.block.depth)
+                if p.published:
+                    self._drop(p)
+                else:
+                    self._free_page(p)
+
     # -- persistence ---------------------------------------------------------------------------
     async def _persist(self) -> None:
-        """Spill published pages that are not on disk into free disk slots,
-        most recently used first (no eviction)."""
+        """Spill published pages that are not on disk, most recently used
+        first, evicting colder disk pages to make room, so that a restart
+        finds the hottest prefixes whole."""
         pending = [p for node in self.nodes.values() for p in node.pages
-                   if p is not None and not p.dead and p.published and p.tier != DISK and p.moving is None]
+                   if p is not None and not p.dead and p.published and p.tier != DISK and p.moving is None
+                   and not p.locks]
         pending.sort(key=lambda p: -p.stamp)
-        counts: dict[int, list[Page]] = collections.defaultdict(list)
+        by_group: dict[int, list[Page]] = collections.defaultdict(list)
         for p in pending:
             g = self.group_of[DISK][p.lc]
-            if len(counts[g]) < self.allocs[DISK][g].free:
-                counts[g].append(p)
-        todo = [p for ps in counts.values() for p in ps]
-        if not todo:
-            return
-        slots = {g: self.allocs[DISK][g].allocate(len(ps)) for g, ps in counts.items()}
-        self._claim(todo, DISK)
-        await self._move_claimed(todo, DISK, slots, handoff=False)
+            if len(by_group[g]) < self.allocs[DISK][g].capacity:
+                by_group[g].append(p)
+        for g, pages in by_group.items():
+            for i in range(0, len(pages), 64):
+                chunk = [p for p in pages[i:i + 64] if not p.dead and p.moving is None and p.tier != DISK]
+                if not chunk:
+                    continue
+                self._claim(chunk, DISK)        # before evicting: a drop must not free them under us
+                try:
+                    slots = await self._obtain(DISK, g, len(chunk))
+                except OutOfPagesError as exc:
+                    self._unclaim(chunk, exc)
+                    break
+                try:
+                    await self._move_claimed(chunk, DISK, {g: slots}, handoff=False)
+                except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on
+                    log.warning("persisting %d pages at close failed: %s", len(chunk), exc)
         await asyncio.get_running_loop().run_in_executor(None, self.disk.flush)
 
     def _index_recovered(self) -> None:
@@ -733,7 +753,10 @@ class Store:
         taken = collections.defaultdict(set)
         for rp in sorted(disk.recovered, key=lambda r: r.record.depth):
             rec = rp.record
-            ok = (rec.key is not None and 0 <= rec.life_cycle < len(self.lcs)
+            if rec.key in (None, ANONYMOUS_KEY):        # a page no index knew: nothing to recover
+                disk.free(rp.group, [rp.slot])
+                continue
+            ok = (0 <= rec.life_cycle < len(self.lcs)
                   and self.group_of[DISK][rec.life_cycle] == rp.group and 0 <= rp.slot < allocs[rp.group].capacity)
             parent = self.nodes.get(rec.parent) if rec.parent is not None else None
             if ok and rec.depth > 0 and (parent is None or parent.depth != rec.depth - 1):
@@ -762,10 +785,15 @@ class Store:
             all_slots = alloc.allocate(alloc.capacity)
             alloc.release([s for s in all_slots if s not in taken[g]])
         # blocks missing a prefix-critical page can never match: drop them with their subtrees
+        before = sum(1 for o in self.owners[DISK] for p in o if p is not None)
         for node in sorted(self.nodes.values(), key=lambda n: n.depth):
             if node.indexed and any(lc.is_prefix_critical(node.depth, self.tpb) and node.pages[lc.index] is None
                                     for lc in self.lcs):
                 self._drop_subtree(node)
+        self.orphaned = before - sum(1 for o in self.owners[DISK] for p in o if p is not None)
+        if self.orphaned:
+            log.warning("disk tier: %d recovered pages are unreachable (an ancestor's page was not on disk) "
+                        "and were freed", self.orphaned)
         for g, owners in enumerate(self.owners[DISK]):
             for p in owners:
                 if p is not None:
@@ -798,6 +826,7 @@ class Store:
             "moves": self.engine.stats.as_dict(),
             "drops": self.drops,
             "recovered_pages": self.recovered,
+            "orphaned_pages": self.orphaned,
             "discarded_pages": self.discarded + (len(self.disk.discarded) if self.disk is not None else 0),
         }
         if self.disk is not None:

@@ -1,0 +1,61 @@
+"""The kvtier command as a user runs it (real processes, JSON output)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+                          check=check, timeout=300)
+
+
+def test_stress_with_faults_and_restarts():
+    out = json.loads(kvtier("stress", "--ops", "300", "--seed", "3", "--faults", "--json").stdout)
+    assert out["ops"] == 300
+    assert out["corrupt"] == 0 and out["lost"] == 0 and out["leaked_slots"] == 0
+    assert out["verified_pages"] > 500 and out["recovered"] > 0
+    assert sum(out["errors_by_type"].values()) > 0          # faults really were injected
+
+
+def test_groups_json_shows_sink_only_sharing_required_pools():
+    out = json.loads(kvtier("groups", "examples/kv.toml", "--json").stdout)
+    assert set(out) == {"gpu", "host", "disk"}
+    (gpu,) = out["gpu"]
+    assert [lc["reuse"] for lc in gpu["life_cycles"]] == ["required", "sink_required_only"]
+    assert gpu["key"]["pool_reuse_policy"] == "required" and gpu["slots"] > 0
+    assert gpu["layers"] == list(range(32)) and len(gpu["slot_bytes"]) == 32
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('tokens_per_block = 16\n[[layers]]\nids = "0-3"\nbuffers = { k = 0 }\n[tiers.gpu]\nquota = "1GiB"\n')
+    r = kvtier("groups", str(bad), check=False)
+    assert r.returncode == 2 and "ConfigError" in r.stderr and "buffers.k" in r.stderr
+
+
+def test_replay_json_and_malformed_lines(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [json.dumps({"timestamp": i, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2, 3 + i % 3]})
+             for i in range(20)]
+    lines.insert(5, "{not json")
+    trace.write_text("\n".join(lines) + "\n")
+    r = kvtier("replay", str(trace), "--gpu-blocks", "4", "--host-blocks", "4", "--disk-blocks", "16",
+               "--concurrency", "2", "--json")
+    out = json.loads(r.stdout)
+    assert "line 6" in r.stderr
+    assert out["requests"] == 20 and out["blocks"] == 60 and out["skipped_lines"] == 1
+    assert out["hit_blocks"] > 30 and out["corrupt_pages"] == 0 and out["verified_pages"] > 0
+    assert set(out["hit_rate_by_tier"]) == {"gpu", "host", "disk"}
+    assert {"p50", "p99"} <= set(out["loop_lag_ms"])
+    strict = kvtier("replay", str(trace), "--strict", "--json", check=False)
+    assert strict.returncode == 2 and ":6:" in strict.stderr
+
+
+def test_demo_runs_end_to_end():
+    out = json.loads(kvtier("demo", "--requests", "120", "--json").stdout)
+    rep = out["replay"]
+    assert rep["corrupt_pages"] == 0 and rep["verified_pages"] > 0
+    assert all(rep["hit_rate_by_tier"][t] > 0 for t in ("gpu", "host", "disk"))
+    assert len(out["groups"]["gpu"]) == 1
