@@ -37,6 +37,19 @@ def hash_blocks(tokens: Sequence[int], tokens_per_block: int, salt: bytes = b"",
     return keys
 
 
+def check_tokens(tokens: Sequence[int]) -> list[int]:
+    """Token ids as a new list of ints; anything else is a UsageError (nothing half-applied)."""
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise UsageError(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
+    if hasattr(tokens, "tolist"):          # numpy arrays and torch tensors
+        tokens = tokens.tolist()
+    out = list(tokens)
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise UsageError(f"token {t!r} is a {type(t).__name__}; tokens are integers")
+    return out
+
+
 def check_block_keys(keys: Sequence[BlockKey]) -> list[BlockKey]:
     """Validate caller-supplied keys: all ints or all bytes, no bools."""
     if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 
 from tiers.errors import StoreClosedError, UsageError
 
-from .keys import BlockKey, check_block_keys, hash_blocks
+from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
 from .pages import GPU, Block, Page
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Sequence:
             return
         if self.tokens is None:
             raise UsageError("this sequence was opened with block_keys; append block_keys")
-        self.tokens.extend(int(t) for t in tokens)
+        self.tokens.extend(check_tokens(tokens))
         tpb = self.store.cfg.tokens_per_block
         done = len(self.keys)
         parent = self.keys[-1] if self.keys else b""

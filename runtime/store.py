@@ -27,7 +27,7 @@ from tiers.policy import ReusePolicy
 from tiers.slots import SlotAllocator
 
 from .eviction import EvictionQueue
-from .keys import BlockKey, check_block_keys, hash_blocks
+from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
 from .migration import ANONYMOUS_KEY, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES, Block, Page
 from .readiness import wait_events
@@ -185,7 +185,7 @@ class Store:
         if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
             raise UsageError(f"priority must be an integer in 0..100, got {priority!r}")
         if tokens is not None:
-            token_list = [int(t) for t in tokens]
+            token_list = check_tokens(tokens)
             keys = hash_blocks(token_list, self.tpb, self.cfg.hash_salt)
         else:
             token_list, keys = None, check_block_keys(block_keys)

@@ -224,6 +224,10 @@ async def test_block_keys_and_append():
         await seq.close()
         t = await store.open_sequence(tokens=list(range(6)))
         assert len(t.keys) == 1
+        with pytest.raises(UsageError):
+            t.append(tokens=[6, "x"])                        # nothing half-applied
+        with pytest.raises(UsageError):
+            await store.open_sequence(tokens=[1.7, 2])
         t.append(tokens=[6, 7])
         assert t.keys == hash_blocks(list(range(8)), 4)
         await t.close()

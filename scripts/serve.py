@@ -1,0 +1,796 @@
+#!/usr/bin/env python3
+"""A small HTTP JSON server around one ``runtime.Store``.
+
+The server embeds ONE store for its whole life (opened when the app starts,
+closed when it stops) and exposes sequence operations over HTTP. It plays the
+part of an inference engine: after ``extend`` it writes deterministic page
+content into the GPU pools (a pure function of block key, layer and role), so
+``verify`` can check, after any number of spills to host and disk and a
+restart, that every cached page came back byte for byte.
+
+Endpoints (JSON in, JSON out):
+
+    POST   /sequences                {"tokens": [...]} | {"block_keys": [...]}, "priority"?
+                                     -> {"id", "matched_blocks", "matched_by_tier", "num_keys"}
+                                     (the sequence is acquired on open)
+    POST   /sequences/{id}/extend    {"num_blocks": n} -> {"num_blocks", "page_indices": {layer: [...]}}
+    POST   /sequences/{id}/commit    {"num_blocks": n} -> {"committed"}
+    POST   /sequences/{id}/append    {"tokens": [...]} | {"block_keys": [...]} -> {"num_keys", "num_blocks"}
+    POST   /sequences/{id}/acquire   {} -> {"acquired": true}
+    POST   /sequences/{id}/release   {} -> {"released": true}
+    GET    /sequences/{id}/verify    -> {"verified_pages", "corrupt", "skipped", "corrupt_pages"}
+    GET    /sequences/{id}           -> the sequence's state
+    DELETE /sequences/{id}           -> {"closed": true}
+    GET    /stats                    -> Store.stats()
+    GET    /healthz                  -> {"ok": true, ...}
+    GET    /metrics                  -> Prometheus text
+
+Block keys in JSON are integers (Mooncake ``hash_ids``) or hex strings
+(bytes keys). Errors: ``{"error": <type name>, "message": ...}`` with
+UsageError/ConfigError/bad input -> 400, unknown sequence -> 404,
+StoreClosedError -> 410, OutOfPagesError -> 503, CorruptPageError,
+DiskFullError, TierIOError and anything unexpected -> 500.
+
+Page content. Block ``i``'s page for ``(layer, role)`` holds
+``tile(blake2b(key || layer || role, 64 bytes)) + (byte offset // 64)``
+(mod 256): cheap to make, different for every key/layer/role and for every
+64-byte chunk of a page, so swapped, shifted or stale pages are all caught.
+The server writes it into the pages it creates (extended blocks and the
+recompute holes an acquire fills) as soon as the block's key is known.
+Extend, commit and verify acquire a released sequence for the time they need
+its pages on the GPU and release it again: each call leaves the sequence in
+the acquired/released state it found it in.
+
+    python scripts/serve.py --port 8080                   # embedded model, temp disk dir
+    python scripts/serve.py --disk-dir /var/tmp/kv         # disk tier survives restarts
+    python scripts/serve.py --config kv.toml --host 0.0.0.0 --port 8080
+
+SIGTERM / SIGINT: stop accepting, let in-flight requests finish (bounded),
+close the open sequences, close the store (which persists committed pages to
+disk when ``persist_on_close``), exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
+
+import runtime  # noqa: E402
+
+log = logging.getLogger("kvtier.serve")
+
+LAG_INTERVAL = 0.010          # the lag monitor sleeps this long and records the overshoot
+LAG_WINDOW = 2000             # samples kept for the p50/p99 gauges (~20 s)
+SHUTDOWN_TIMEOUT = 5.0        # seconds in-flight requests get at shutdown
+MAX_BODY = 8 << 20            # bytes of request body accepted
+
+STATE_KEY = web.AppKey("state", object)
+
+
+# -- configuration ------------------------------------------------------------------------------
+def default_config(disk_dir: str, gpu_slots: int, host_slots: int, disk_slots: int, device: str = "cpu",
+                   fsync: bool = True, on_mismatch: str = "error") -> runtime.StoreConfig:
+    """The embedded model: two life cycles of two layers each, k/v 4 KiB per block.
+    Layers 0-1: full attention, REQUIRED. Layers 2-3: sliding window of 64
+    tokens with 16 sink tokens, SINK_REQUIRED_ONLY (same page shape, so both
+    life cycles share every tier's pool group)."""
+    kv = (("k", 4096), ("v", 4096))
+    full = runtime.ReusePolicy.REQUIRED
+    sink = runtime.ReusePolicy.SINK_REQUIRED_ONLY
+    layers = [runtime.LayerSpec(i, kv, kind="attention", reuse=full) for i in (0, 1)]
+    layers += [runtime.LayerSpec(i, kv, kind="attention", window_tokens=64, sink_tokens=16, reuse=sink)
+               for i in (2, 3)]
+    return runtime.StoreConfig(
+        layers=layers,
+        gpu=runtime.GpuConfig(slots=gpu_slots, device=device),
+        host=runtime.HostConfig(slots=host_slots),
+        disk=runtime.DiskConfig(path=disk_dir, slots=disk_slots, fsync=fsync, on_mismatch=on_mismatch),
+        tokens_per_block=16,
+    )
+
+
+def override_config(cfg: runtime.StoreConfig, args: argparse.Namespace) -> runtime.StoreConfig:
+    """Apply the command line's tier flags to a config loaded from a file."""
+    gpu, host, disk = cfg.gpu, cfg.host, cfg.disk
+    if args.gpu_slots is not None:
+        gpu = dataclasses.replace(gpu, slots=args.gpu_slots, quota=None)
+    if args.device is not None:
+        gpu = dataclasses.replace(gpu, device=args.device)
+    if args.host_slots is not None:
+        host = dataclasses.replace(host or runtime.HostConfig(), slots=args.host_slots, quota=None)
+    if args.disk_dir is not None or args.disk_slots is not None or not args.fsync or args.on_mismatch:
+        if disk is None and (args.disk_dir is None or args.disk_slots is None):
+            raise runtime.ConfigError("tiers.disk", "the config has no disk tier: pass both --disk-dir and "
+                                                    "--disk-slots to add one")
+        disk = disk or runtime.DiskConfig()
+        changes: dict[str, Any] = {}
+        if args.disk_dir is not None:
+            changes["path"] = args.disk_dir
+        if args.disk_slots is not None:
+            changes.update(slots=args.disk_slots, quota=None)
+        if not args.fsync:
+            changes["fsync"] = False
+        if args.on_mismatch:
+            changes["on_mismatch"] = args.on_mismatch
+        disk = dataclasses.replace(disk, **changes)
+    if (gpu, host, disk) == (cfg.gpu, cfg.host, cfg.disk):
+        return cfg
+    return dataclasses.replace(cfg, gpu=gpu, host=host, disk=disk)
+
+
+# -- deterministic page content -------------------------------------------------------------------
+def _key_bytes(key) -> bytes:
+    return b"b" + key if isinstance(key, bytes) else b"i" + str(int(key)).encode()
+
+
+@functools.lru_cache(maxsize=4096)
+def page_content(key, layer: int, role: str, nbytes: int) -> torch.Tensor:
+    """The bytes block ``key``'s page holds for ``(layer, role)``: a pure function
+    of its arguments (stable across processes)."""
+    digest = hashlib.blake2b(_key_bytes(key) + b"|%d|" % layer + role.encode(), digest_size=64).digest()
+    base = np.frombuffer(digest, dtype=np.uint8)
+    reps = -(-nbytes // 64)
+    pattern = np.tile(base, reps)[:nbytes] + (np.arange(nbytes, dtype=np.int64) // 64).astype(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(pattern, dtype=np.uint8))
+
+
+# -- request parsing ----------------------------------------------------------------------------------
+class BadRequest(Exception):
+    """Malformed input (400)."""
+
+
+class UnknownSequence(Exception):
+    """No open sequence with that id (404)."""
+
+
+async def read_body(request: web.Request, required: bool = True) -> dict:
+    if not request.can_read_body:
+        if required:
+            raise BadRequest("a JSON object body is required")
+        return {}
+    raw = await request.read()
+    if not raw.strip() and not required:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _int(value, field: str, lo: int | None = None, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{field} must be an integer, got {value!r}"[:200])
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise BadRequest(f"{field} must be in {lo}..{hi if hi is not None else ''}, got {value}")
+    return value
+
+
+def parse_tokens(body: dict) -> tuple[list[int] | None, list | None]:
+    tokens, keys = body.get("tokens"), body.get("block_keys")
+    if (tokens is None) == (keys is None):
+        raise BadRequest('pass exactly one of "tokens" or "block_keys"')
+    if tokens is not None:
+        if not isinstance(tokens, list):
+            raise BadRequest('"tokens" must be a list of integers')
+        for t in tokens:
+            if not isinstance(t, int) or isinstance(t, bool) or not -2**63 <= t < 2**63:
+                raise BadRequest(f'"tokens" must hold 64-bit integers, got {t!r}'[:200])
+        return tokens, None
+    if not isinstance(keys, list):
+        raise BadRequest('"block_keys" must be a list of integers or hex strings')
+    out: list = []
+    for k in keys:
+        if isinstance(k, int) and not isinstance(k, bool):
+            out.append(k)
+        elif isinstance(k, str):
+            try:
+                out.append(bytes.fromhex(k))
+            except ValueError:
+                raise BadRequest(f"block key {k!r} is not a hex string"[:200]) from None
+        else:
+            raise BadRequest(f"block key {k!r} must be an integer or a hex string"[:200])
+    return None, out
+
+
+def _num_blocks(body: dict) -> int:
+    if "num_blocks" not in body:
+        raise BadRequest('"num_blocks" is required')
+    return _int(body["num_blocks"], "num_blocks", 0)
+
+
+# -- server state -------------------------------------------------------------------------------------
+class Session:
+    """One open sequence and what the server knows about its pages."""
+
+    __slots__ = ("id", "seq", "lock", "acquired", "written", "closed", "created")
+
+    def __init__(self, sid: str, seq: runtime.Sequence) -> None:
+        self.id = sid
+        self.seq = seq
+        self.lock = asyncio.Lock()       # one HTTP operation on a sequence at a time
+        self.acquired = False
+        self.written: set[tuple[int, int]] = set()   # (block, layer) pages this server filled
+        self.closed = False
+        self.created = time.monotonic()
+
+
+class LagMonitor:
+    """Event-loop lag: sleep ``interval`` and record how late the wake-up is."""
+
+    def __init__(self, histogram: Histogram, interval: float = LAG_INTERVAL) -> None:
+        self.interval = interval
+        self.samples: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
+        self.histogram = histogram
+        self.task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.interval)
+            lag = max(0.0, loop.time() - t0 - self.interval)
+            self.samples.append(lag)
+            self.histogram.observe(lag)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(), name="kvtier-lag-monitor")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    def quantiles(self) -> dict[str, float]:
+        data = sorted(self.samples)
+        if not data:
+            return {}
+        def q(x: float) -> float:
+            return data[min(len(data) - 1, int(x * len(data)))]
+        return {"0.5": q(0.5), "0.99": q(0.99), "1": data[-1]}
+
+
+class StoreCollector:
+    """Prometheus metrics read from ``Store.stats()`` at scrape time."""
+
+    def __init__(self, state: "ServerState") -> None:
+        self.state = state
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.state
+        store = st.store
+        if store is None or not store.started or store.closed:
+            return
+        try:
+            stats = store.stats()
+        except runtime.KvtierError:
+            return
+        hits = CounterMetricFamily("kvtier_hits", "Matched blocks by the tier of their coldest page", labels=["tier"])
+        for tier, n in stats["hits"].items():
+            hits.add_metric([tier], n)
+        yield hits
+        yield CounterMetricFamily("kvtier_lookup_blocks", "Blocks looked up by open_sequence",
+                                  value=stats["lookup_blocks"])
+        moved = CounterMetricFamily("kvtier_moved_pages", "Pages moved per direction", labels=["direction"])
+        nbytes = CounterMetricFamily("kvtier_moved_bytes", "Bytes moved per direction", labels=["direction"])
+        batches = CounterMetricFamily("kvtier_move_batches", "Move batches per direction", labels=["direction"])
+        fails = CounterMetricFamily("kvtier_move_failures", "Failed move batches per direction",
+                                    labels=["direction"])
+        bw = GaugeMetricFamily("kvtier_move_bandwidth_gbps", "Average bandwidth per direction (GB/s)",
+                               labels=["direction"])
+        for d, m in stats["moves"].items():
+            moved.add_metric([d], m["pages"])
+            nbytes.add_metric([d], m["bytes"])
+            batches.add_metric([d], m["batches"])
+            fails.add_metric([d], m["failures"])
+            bw.add_metric([d], m["bandwidth_gbps"])
+        yield from (moved, nbytes, batches, fails, bw)
+        in_use = GaugeMetricFamily("kvtier_slots_in_use", "Slots in use per tier and pool group",
+                                   labels=["tier", "group"])
+        cap = GaugeMetricFamily("kvtier_slots", "Slots per tier and pool group", labels=["tier", "group"])
+        states = GaugeMetricFamily("kvtier_slot_pages", "Pages per state, tier and pool group",
+                                   labels=["tier", "group", "state"])
+        evictable = GaugeMetricFamily("kvtier_slots_evictable", "Evictable slots per tier and pool group",
+                                      labels=["tier", "group"])
+        for tier, t in stats["tiers"].items():
+            for g in t["groups"]:
+                labels = [tier, str(g["index"])]
+                in_use.add_metric(labels, g["used"])
+                cap.add_metric(labels, g["slots"])
+                evictable.add_metric(labels, g["evictable"])
+                for s in ("locked", "held", "droppable"):
+                    states.add_metric(labels + [s], g[s])
+        yield from (in_use, cap, states, evictable)
+        yield CounterMetricFamily("kvtier_drops", "Pages dropped from the last tier", value=stats["drops"])
+        yield GaugeMetricFamily("kvtier_indexed_blocks", "Blocks in the prefix index", value=stats["indexed_blocks"])
+        yield GaugeMetricFamily("kvtier_recovered_pages", "Disk pages re-indexed at start",
+                                value=stats["recovered_pages"])
+        yield CounterMetricFamily("kvtier_discarded_pages", "Disk pages discarded (bad checksum or layout)",
+                                  value=stats["discarded_pages"])
+        yield GaugeMetricFamily("kvtier_open_sequences", "Sequences open through this server",
+                                value=len(st.sessions))
+        lag = GaugeMetricFamily("kvtier_event_loop_lag_seconds",
+                                f"Event-loop lag over the last {LAG_WINDOW} samples "
+                                f"(overshoot of a {LAG_INTERVAL * 1000:.0f} ms sleep)", labels=["quantile"])
+        for q, v in st.lag.quantiles().items():
+            lag.add_metric([q], v)
+        yield lag
+        pages = CounterMetricFamily("kvtier_verified_pages", "Pages checked by /verify", labels=["result"])
+        pages.add_metric(["ok"], st.verified_ok)
+        pages.add_metric(["corrupt"], st.verified_bad)
+        yield pages
+
+
+class ServerState:
+    def __init__(self, cfg: runtime.StoreConfig) -> None:
+        self.cfg = cfg
+        self.store: runtime.Store | None = None
+        self.sessions: dict[str, Session] = {}
+        self.ids = itertools.count(1)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.lag = LagMonitor(Histogram(
+            "kvtier_event_loop_lag_overshoot_seconds", "Event-loop lag samples (overshoot of a 10 ms sleep)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry))
+        self.requests = Counter("kvtier_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=self.registry)
+        self.registry.register(StoreCollector(self))
+        self.verified_ok = 0
+        self.verified_bad = 0
+        self.roles: dict[int, list[tuple[str, int]]] = {}   # layer id -> [(role, bytes)] of its GPU pools
+        self.cuda = False
+        self.shutting_down = False
+
+    # -- the store's life -------------------------------------------------------------
+    async def open_store(self) -> None:
+        self.store = await runtime.Store.open(self.cfg)
+        self.cuda = bool(getattr(self.store.device, "is_cuda", False))
+        lcs = self.cfg.layout.life_cycles
+        for lc in lcs:
+            for layer, role, nbytes in lc.buffers:
+                self.roles.setdefault(layer, []).append((role, nbytes))
+        self.lag.start()
+
+    async def close_store(self) -> None:
+        self.shutting_down = True
+        for sess in list(self.sessions.values()):
+            await self._close_session(sess)
+        await self.lag.stop()
+        if self.store is not None:
+            await self.store.close()
+
+    async def _close_session(self, sess: Session) -> None:
+        self.sessions.pop(sess.id, None)
+        if sess.closed:
+            return
+        sess.closed = True
+        try:
+            await sess.seq.close()
+        except runtime.KvtierError as exc:
+            log.warning("closing sequence %s: %s", sess.id, exc)
+
+    # -- helpers -------------------------------------------------------------------------
+    def session(self, request: web.Request) -> Session:
+        sess = self.sessions.get(request.match_info["id"])
+        if sess is None or sess.closed:
+            raise UnknownSequence(f"no open sequence {request.match_info['id']!r}")
+        return sess
+
+    def stream(self):
+        return torch.cuda.current_stream() if self.cuda else None
+
+    async def acquire(self, sess: Session) -> None:
+        await sess.seq.acquire(self.stream())
+        sess.acquired = True
+        self.fill(sess)
+
+    async def release(self, sess: Session) -> None:
+        await sess.seq.release(self.stream())
+        sess.acquired = False
+
+    def pending(self, sess: Session, upto: int) -> bool:
+        """Whether some own page of the first ``upto`` blocks (with keys) is not filled yet."""
+        seq = sess.seq
+        n = min(len(seq.keys), seq.num_blocks, upto)
+        for layer in self.roles:
+            if any((i, layer) not in sess.written for i in range(seq.matched_blocks, n)):
+                return True
+            if any(b < n and (b, layer) not in sess.written for b in seq.recompute_blocks(layer)):
+                return True
+        return False
+
+    def _expected(self, keys: list, layer: int, role: str, nbytes: int, device) -> torch.Tensor:
+        rows = torch.stack([page_content(k, layer, role, nbytes) for k in keys])
+        return rows if rows.device == device else rows.to(device)
+
+    def fill(self, sess: Session) -> int:
+        """Write the deterministic content into the sequence's own GPU pages
+        (extended blocks and recompute holes) whose block key is known. Needs
+        the sequence acquired (its pages locked on the GPU)."""
+        seq, store = sess.seq, self.store
+        nkeys = min(len(seq.keys), seq.num_blocks)
+        written = 0
+        for layer, roles in self.roles.items():
+            idx = seq.page_indices(layer)
+            own = set(range(seq.matched_blocks, nkeys)) | {b for b in seq.recompute_blocks(layer) if b < nkeys}
+            todo = sorted(i for i in own if (i, layer) not in sess.written and idx[i] >= 0)
+            if not todo:
+                continue
+            keys = [seq.keys[i] for i in todo]
+            for role, nbytes in roles:
+                pool = store.pool_tensor(layer, role)
+                slots = torch.tensor([idx[i] for i in todo], dtype=torch.long, device=pool.device)
+                pool.index_copy_(0, slots, self._expected(keys, layer, role, nbytes, pool.device))
+                written += len(todo)
+            sess.written.update((i, layer) for i in todo)
+        return written
+
+    def check(self, sess: Session) -> dict:
+        """Compare every committed (or server-filled) page on the GPU with its content."""
+        seq, store = sess.seq, self.store
+        ok = bad = skipped = 0
+        corrupt = []
+        nkeys = min(len(seq.keys), seq.num_blocks)
+        for layer, roles in self.roles.items():
+            idx = seq.page_indices(layer)
+            blocks = [i for i in range(nkeys) if i < seq.committed or (i, layer) in sess.written]
+            present = [i for i in blocks if idx[i] >= 0]
+            skipped += (len(blocks) - len(present)) * len(roles)   # stale window pages not on the GPU
+            if not present:
+                continue
+            keys = [seq.keys[i] for i in present]
+            for role, nbytes in roles:
+                pool = store.pool_tensor(layer, role)
+                slots = torch.tensor([idx[i] for i in present], dtype=torch.long, device=pool.device)
+                same = (pool.index_select(0, slots) == self._expected(keys, layer, role, nbytes, pool.device)).all(1)
+                n_ok = int(same.sum())
+                ok += n_ok
+                bad += len(present) - n_ok
+                if n_ok < len(present):
+                    for i, good in zip(present, same.tolist()):
+                        if not good and len(corrupt) < 32:
+                            corrupt.append({"block": i, "layer": layer, "role": role, "slot": idx[i]})
+        self.verified_ok += ok
+        self.verified_bad += bad
+        return {"verified_pages": ok, "corrupt": bad, "skipped": skipped, "corrupt_pages": corrupt}
+
+    def describe(self, sess: Session) -> dict:
+        seq = sess.seq
+        return {"id": sess.id, "matched_blocks": seq.matched_blocks, "matched_by_tier": dict(seq.matched_by_tier),
+                "num_blocks": seq.num_blocks, "num_keys": len(seq.keys), "committed": seq.committed,
+                "acquired": sess.acquired, "priority": seq.priority}
+
+    def page_indices(self, sess: Session) -> dict[str, list[int]]:
+        return {str(layer): sess.seq.page_indices(layer) for layer in sorted(self.roles)}
+
+
+# -- handlers -------------------------------------------------------------------------------------------
+def _state(request: web.Request) -> ServerState:
+    return request.app[STATE_KEY]
+
+
+async def open_sequence(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await read_body(request)
+    tokens, keys = parse_tokens(body)
+    priority = body.get("priority")
+    if priority is not None:
+        priority = _int(priority, "priority", 0, 100)
+    seq = await st.store.open_sequence(tokens=tokens, block_keys=keys, priority=priority)
+    sess = Session(str(next(st.ids)), seq)
+    async with sess.lock:
+        try:
+            await st.acquire(sess)
+        except BaseException:
+            with contextlib.suppress(runtime.KvtierError):
+                await seq.close()
+            raise
+        st.sessions[sess.id] = sess
+        return web.json_response(st.describe(sess))
+
+
+async def get_sequence(request: web.Request) -> web.Response:
+    st = _state(request)
+    sess = st.session(request)
+    return web.json_response(st.describe(sess))
+
+
+async def extend(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await read_body(request)
+    n = _num_blocks(body)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        was = sess.acquired
+        if not was:
+            await st.acquire(sess)
+        try:
+            await sess.seq.extend(n)
+            st.fill(sess)
+            out = {"num_blocks": sess.seq.num_blocks, "page_indices": st.page_indices(sess)}
+        finally:
+            if not was:
+                await st.release(sess)
+        return web.json_response(out)
+
+
+async def commit(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await read_body(request)
+    n = _num_blocks(body)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        if st.pending(sess, n) and n <= sess.seq.num_blocks and n <= len(sess.seq.keys):
+            if sess.acquired:
+                st.fill(sess)
+            else:
+                await st.acquire(sess)
+                await st.release(sess)
+        sess.seq.commit(n)
+        return web.json_response({"committed": sess.seq.committed, "num_blocks": sess.seq.num_blocks})
+
+
+async def append(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await read_body(request)
+    tokens, keys = parse_tokens(body)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        sess.seq.append(tokens=tokens, block_keys=keys)
+        if sess.acquired:
+            st.fill(sess)
+        return web.json_response({"num_keys": len(sess.seq.keys), "num_blocks": sess.seq.num_blocks})
+
+
+async def acquire(request: web.Request) -> web.Response:
+    st = _state(request)
+    await read_body(request, required=False)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        if sess.acquired:
+            raise runtime.UsageError("sequence is already acquired")
+        await st.acquire(sess)
+        return web.json_response({"acquired": True, "page_indices": st.page_indices(sess)})
+
+
+async def release(request: web.Request) -> web.Response:
+    st = _state(request)
+    await read_body(request, required=False)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        await st.release(sess)
+        return web.json_response({"released": True})
+
+
+async def verify(request: web.Request) -> web.Response:
+    st = _state(request)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        was = sess.acquired
+        if not was:
+            await st.acquire(sess)
+        try:
+            out = st.check(sess)
+        finally:
+            if not was:
+                await st.release(sess)
+        return web.json_response(out)
+
+
+async def close_sequence(request: web.Request) -> web.Response:
+    st = _state(request)
+    sess = st.session(request)
+    async with sess.lock:
+        st.session(request)
+        await st._close_session(sess)
+        return web.json_response({"closed": True})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(_state(request).store.stats())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    st = _state(request)
+    if st.store is None or st.store.closed or st.shutting_down:
+        return web.json_response({"ok": False}, status=503)
+    return web.json_response({"ok": True, "device": st.store.device.name, "open_sequences": len(st.sessions)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(_state(request).registry)
+    return web.Response(body=data, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+ERROR_STATUS: list[tuple[type, int]] = [
+    (BadRequest, 400),
+    (UnknownSequence, 404),
+    (runtime.OutOfPagesError, 503),
+    (runtime.StoreClosedError, 410),
+    (runtime.CorruptPageError, 500),
+    (runtime.DiskFullError, 500),
+    (runtime.TierIOError, 500),
+    (runtime.UsageError, 400),
+    (runtime.ConfigError, 400),
+]
+
+
+def error_response(exc: BaseException) -> web.Response:
+    for cls, status in ERROR_STATUS:
+        if isinstance(exc, cls):
+            break
+    else:
+        status = 500
+    return web.json_response({"error": type(exc).__name__, "message": str(exc)[:2000]}, status=status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    st = _state(request)
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    try:
+        if st.shutting_down and request.path.startswith("/sequences"):
+            raise runtime.StoreClosedError("the server is shutting down")
+        resp = await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        resp = web.json_response({"error": type(exc).__name__, "message": exc.reason}, status=exc.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:   # noqa: BLE001 - every error becomes a response; the server keeps running
+        resp = error_response(exc)
+        if resp.status >= 500 and not isinstance(exc, runtime.OutOfPagesError):
+            log.error("%s %s failed", request.method, request.path, exc_info=exc)
+    st.requests.labels(request.method, route, str(resp.status)).inc()
+    return resp
+
+
+# -- the app --------------------------------------------------------------------------------------------
+def make_app(cfg: runtime.StoreConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
+    state = ServerState(cfg)
+    app[STATE_KEY] = state
+
+    async def store_ctx(app: web.Application):
+        await state.open_store()
+        yield
+        await state.close_store()
+
+    async def on_shutdown(app: web.Application) -> None:
+        state.shutting_down = True      # requests that still arrive on open connections get 410
+
+    app.cleanup_ctx.append(store_ctx)
+    app.on_shutdown.append(on_shutdown)
+    app.router.add_post("/sequences", open_sequence)
+    app.router.add_get("/sequences/{id}", get_sequence)
+    app.router.add_delete("/sequences/{id}", close_sequence)
+    app.router.add_post("/sequences/{id}/extend", extend)
+    app.router.add_post("/sequences/{id}/commit", commit)
+    app.router.add_post("/sequences/{id}/append", append)
+    app.router.add_post("/sequences/{id}/acquire", acquire)
+    app.router.add_post("/sequences/{id}/release", release)
+    app.router.add_get("/sequences/{id}/verify", verify)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(cfg: runtime.StoreConfig, host: str, port: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = make_app(cfg)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
+    try:
+        await runner.setup()     # opens the store
+    except runtime.KvtierError as exc:
+        print(f"kvtier serve: cannot open the store: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+    except OSError as exc:
+        print(f"kvtier serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 2
+    bound = runner.addresses[0]
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    print(f"listening on http://{shown}:{bound[1]}", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    # stop accepting, finish in-flight requests, then close sequences and the store (cleanup_ctx)
+    await runner.cleanup()
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="a kvtier TOML config (default: the embedded small model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    p.add_argument("--disk-dir", help="disk tier directory (kept across restarts; default: a temp dir, removed)")
+    p.add_argument("--gpu-slots", type=int, help="GPU slots per pool group (default 64)")
+    p.add_argument("--host-slots", type=int, help="host slots per pool group (default 128)")
+    p.add_argument("--disk-slots", type=int, help="disk slots per pool group (default 1024)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                   help="GPU tier device (default: cpu, i.e. emulated, for the embedded model)")
+    p.add_argument("--no-fsync", dest="fsync", action="store_false",
+                   help="skip the disk tier's durability barriers (throwaway experiments)")
+    p.add_argument("--on-mismatch", choices=("error", "wipe"),
+                   help="when --disk-dir holds another layout: refuse (error) or wipe it")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tmp_dir = None
+    try:
+        if args.config:
+            cfg = override_config(runtime.load_config(args.config), args)
+        else:
+            disk_dir = args.disk_dir
+            if disk_dir is None:
+                disk_dir = tmp_dir = tempfile.mkdtemp(prefix="kvtier-serve-")
+            else:
+                os.makedirs(disk_dir, exist_ok=True)
+            cfg = default_config(disk_dir, args.gpu_slots or 64, args.host_slots or 128, args.disk_slots or 1024,
+                                 device=args.device or "cpu", fsync=args.fsync,
+                                 on_mismatch=args.on_mismatch or "error")
+        if cfg.disk is not None and cfg.disk.path:
+            os.makedirs(cfg.disk.path, exist_ok=True)
+    except (runtime.ConfigError, OSError) as exc:
+        print(f"kvtier serve: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return runtime.run(serve(cfg, args.host, args.port))
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
