@@ -17,6 +17,14 @@ from .config import load_config
 from .loop import run
 
 
+def tune_gc() -> None:
+    """A store holds millions of small long-lived objects; the default GC
+    thresholds rescan them so often that collection costs ~2x the control
+    plane's time. Servers embedding kvtier should do the same (README)."""
+    import gc
+    gc.set_threshold(50_000, 50, 100)
+
+
 # -- output helpers ----------------------------------------------------------------------------
 def _console():
     from rich.console import Console
@@ -204,7 +212,7 @@ def cmd_stress(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import print_bench, run_bench
-    out = run_bench(quick=args.quick, quiet=args.json)
+    out = run_bench(quick=args.quick, quiet=args.json, trace=args.trace, directory=args.dir)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -255,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_stress)
 
     b = sub.add_parser("bench", help="benchmarks as ratios against raw limits measured in the same run")
-    b.add_argument("--quick", action="store_true")
+    b.add_argument("--quick", action="store_true", help="one page size and a trace slice (about a minute)")
+    b.add_argument("--trace", help="trace for the control-plane replay (default: the conversation trace "
+                                   "when ../shared/traces is beside the checkout, else the bundled slice)")
+    b.add_argument("--dir", help="where to put the disk files (default: the system temp dir)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     return p
@@ -263,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tune_gc()
     if getattr(args, "speed", 1.0) <= 0:
         print("kvtier: --speed must be positive", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from tiers.errors import StoreClosedError, UsageError
 
 from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
 from .pages import GPU, Block, Page
+from .readiness import wait_events
 
 if TYPE_CHECKING:
     from .store import Store
@@ -75,6 +76,12 @@ class Sequence:
         self._check_open()
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        if self.busy:
+            raise UsageError("another acquire or extend of this sequence is running")
+        fences = self.store._extend_now(self, num_blocks)
+        if fences is not None:
+            await wait_events(fences)       # a cancelled wait leaves the pages placed and owned: no leak
+            return
         await self.store._run_exclusive(self, self.store._extend(self, num_blocks), self.store._undo_extend)
 
     async def acquire(self, stream=None) -> None:
@@ -82,7 +89,10 @@ class Sequence:
         With a CUDA ``stream``, that stream is also made to wait on the pages'
         ready events (the copies have completed when this returns anyway)."""
         self._check_open()
-        await self.store._run_exclusive(self, self.store._acquire(self), self.store._undo_acquire)
+        if self.busy:
+            raise UsageError("another acquire or extend of this sequence is running")
+        if not self.store._acquire_now(self):
+            await self.store._run_exclusive(self, self.store._acquire(self), self.store._undo_acquire)
         if stream is not None:
             self.store._stream_wait(self, stream)
 

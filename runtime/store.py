@@ -268,34 +268,55 @@ class Store:
         return task
 
     # -- extend ------------------------------------------------------------------------------
+    def _extend_counts(self, n: int) -> dict[int, int]:
+        per_group = collections.Counter()
+        for lc in self.lcs:
+            per_group[self.group_of[GPU][lc.index]] += n
+        return per_group
+
+    def _extend_now(self, seq: Sequence, n: int) -> list | None:
+        """The common case, without a task: every GPU group has the free
+        slots. Returns the fences to wait for, or None to take the slow path."""
+        self._check()
+        counts = self._extend_counts(n)
+        allocs = self.allocs[GPU]
+        if any(allocs[g].free < c for g, c in counts.items()):
+            return None
+        return self._place_extension(seq, n, {g: allocs[g].allocate(c) for g, c in counts.items()})
+
     async def _extend(self, seq: Sequence, n: int) -> int:
         self._check()
         if n == 0:
             return 0
-        per_group = collections.Counter()
-        for lc in self.lcs:
-            per_group[self.group_of[GPU][lc.index]] += n
-        slots = await self._obtain_many(GPU, per_group)
+        slots = await self._obtain_many(GPU, self._extend_counts(n))
+        await wait_events(self._place_extension(seq, n, slots))
+        return n
+
+    def _place_extension(self, seq: Sequence, n: int, slots: dict[int, list[int]]) -> list:
         start = len(seq.blocks)
         fences = []
+        n_lcs = len(self.lcs)
+        gpu_group = self.group_of[GPU]
+        locks = 1 if seq.acquired else 0
         for i in range(start, start + n):
             parent = seq.blocks[i - 1] if i else None
-            block = Block(seq.keys[i] if i < len(seq.keys) else None, parent, i, len(self.lcs))
+            block = Block(seq.keys[i] if i < len(seq.keys) else None, parent, i, n_lcs)
             row: list[Page | None] = []
-            for lc in self.lcs:
-                g = self.group_of[GPU][lc.index]
+            for lc in range(n_lcs):
+                g = gpu_group[lc]
                 slot = slots[g].pop()
-                fences.append(self.allocs[GPU][g].fences[slot])
-                p = self._new_page(block, lc.index, GPU, g, slot, seq.priority)
+                fence = self.allocs[GPU][g].fences[slot]
+                if fence is not None:
+                    fences.append(fence)
+                p = self._new_page(block, lc, GPU, g, slot, seq.priority)
                 p.holders = 1
-                p.locks = 1 if seq.acquired else 0
-                block.pages[lc.index] = p
+                p.locks = locks
+                block.pages[lc] = p
                 row.append(p)
             seq.blocks.append(block)
             seq.pages.append(row)
         self._touch(p for row in reversed(seq.pages[start:]) for p in row)
-        await wait_events(fences)
-        return n
+        return fences
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
         for _ in range(n):
@@ -312,6 +333,25 @@ class Store:
             out.update((b, lc.index) for b in lc.needed_blocks(h, self.tpb))
             out.update((b, lc.index) for b in range(seq.committed, len(seq.blocks)))
         return sorted(out, reverse=True)
+
+    def _acquire_now(self, seq: Sequence) -> bool:
+        """The common case, without a task: every needed page is on the GPU
+        and still. Locks them and returns True; else False (slow path)."""
+        self._check()
+        if seq.acquired:
+            raise UsageError("sequence is already acquired")
+        pages = []
+        for b, lc in self._needed(seq):
+            p = seq.pages[b][lc]
+            if p is None or p.dead or p.tier != GPU or p.moving is not None:
+                return False
+            pages.append(p)
+        for p in pages:
+            p.locks += 1
+            self._unqueue(p)
+        self._touch(pages)
+        seq.acquired = True
+        return True
 
     async def _acquire(self, seq: Sequence) -> list[Page]:
         self._check()

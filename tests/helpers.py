@@ -1,16 +1,21 @@
 """Small builders shared by the runtime tests."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, ReusePolicy, StoreConfig
 from runtime.content import key_seed, pattern
 
 
+DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")    # scripts/gpu_check.py sets "cuda"
+
+
 def config(gpu=8, host=None, disk=None, disk_dir=None, tpb=4, layers=None, codec="concat", **kw) -> StoreConfig:
     layers = layers or [LayerSpec(0, (("k", 256), ("v", 256)))]
     return StoreConfig(
-        layers=layers, tokens_per_block=tpb, gpu=GpuConfig(slots=gpu, device="cpu"),
+        layers=layers, tokens_per_block=tpb, gpu=GpuConfig(slots=gpu, device=DEVICE),
         host=HostConfig(slots=host, codec=codec) if host else None,
         disk=DiskConfig(path=str(disk_dir), slots=disk, fsync=False) if disk else None, **kw)
 
@@ -38,7 +43,7 @@ def read_block(store, seq, layer_lc, b) -> torch.Tensor:
     lc = store.lcs[layer_lc]
     parts = []
     for layer, role, size in lc.buffers:
-        parts.append(store.pool_tensor(layer, role)[seq.page_indices(layer)[b]].clone())
+        parts.append(store.pool_tensor(layer, role)[seq.page_indices(layer)[b]].cpu())
     return torch.cat(parts)
 
 

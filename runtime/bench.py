@@ -1,0 +1,214 @@
+"""``kvtier bench``: the store's data and control paths as ratios against
+raw limits measured in the same run, on the same machine.
+
+- ``gpu->host`` / ``host->gpu``: pages moved by the migration engine (batches
+  of 64, as concurrent requests produce them) against one plain tensor copy of
+  the same bytes between the same two memories.
+- ``host->disk`` / ``disk->host``: spill and recall through the engine and the
+  disk tier (checksums, journal, fdatasync per batch) against a plain
+  sequential file write (+fdatasync) and read of the same bytes.
+- ``replay``: the control plane (metadata-first replay, pages of a few KiB)
+  against the bare LRU prefix cache, in blocks per second.
+- ``loop lag``: event-loop lag p99 while the moves run.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+
+import torch
+
+from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.layers import LayerSpec
+
+from .demo import bundled_trace
+from .lag import LoopLagMonitor
+from .oracle import LruPrefixCache
+from .pages import DISK, GPU, HOST
+from .replay import replay
+from .store import Store
+from .trace import read_trace
+
+BATCH = 64
+
+
+def _gbps(nbytes: int, secs: float) -> float:
+    return nbytes / secs / 1e9 if secs > 0 else 0.0
+
+
+async def _move_all(store: Store, pages: list, dst: int) -> float:
+    """Move ``pages`` to tier ``dst`` in concurrent batches; seconds taken."""
+    t0 = time.perf_counter()
+    jobs = []
+    for i in range(0, len(pages), BATCH):
+        chunk = pages[i:i + BATCH]
+        g = store.group_of[dst][chunk[0].lc]
+        slots = store.allocs[dst][g].allocate(len(chunk))
+        store._claim(chunk, dst)
+        jobs.append(store._move_claimed(chunk, dst, {g: slots}, handoff=False))
+    await asyncio.gather(*jobs)
+    return time.perf_counter() - t0
+
+
+async def _fill(store: Store, n_blocks: int) -> list:
+    seq = await store.open_sequence(block_keys=list(range(1, n_blocks + 1)))
+    await seq.extend(n_blocks)
+    gpu = store.slabs[GPU][0].tensor
+    gpu.copy_(torch.randint(0, 256, gpu.shape, dtype=torch.uint8, device=gpu.device))
+    seq.commit(n_blocks)
+    await seq.close()
+    return [p for o in store.owners[GPU] for p in o if p is not None]
+
+
+def _raw_copy(nbytes: int, device: torch.device, pinned: bool) -> tuple[float, float]:
+    """GB/s of one large copy device->host and host->device."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = []
+    for a, b in ((dst, src), (src, dst)):
+        a.copy_(b, non_blocking=True)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a.copy_(b, non_blocking=True)
+        sync()
+        out.append(_gbps(3 * nbytes, time.perf_counter() - t0))
+    return out[0], out[1]
+
+
+def _raw_file(path: str, nbytes: int, chunk: int = 8 << 20) -> tuple[float, float]:
+    """GB/s of the best plain sequential write (+fdatasync) and read of
+    ``nbytes``: buffered and O_DIRECT (where the filesystem takes it)."""
+    import mmap
+    buf = mmap.mmap(-1, chunk)            # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(chunk))
+    best_w = best_r = 0.0
+    for direct in (False, True):
+        flags = os.O_DIRECT if direct and hasattr(os, "O_DIRECT") else 0
+        if direct and not flags:
+            continue
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        except OSError:
+            continue
+        try:
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, chunk):
+                os.pwritev(fd, [memoryview(buf)[:min(chunk, nbytes - off)]], off)
+            os.fdatasync(fd)
+            best_w = max(best_w, _gbps(nbytes, time.perf_counter() - t0))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, chunk):
+                os.preadv(fd, [buf], off)
+            best_r = max(best_r, _gbps(nbytes, time.perf_counter() - t0))
+        finally:
+            os.close(fd)
+    os.unlink(path)
+    return best_w, best_r
+
+
+async def bench_moves(page_bytes: int, n_pages: int, directory: str) -> list[dict]:
+    half = page_bytes // 2
+    cfg = StoreConfig(layers=[LayerSpec(0, (("k", half), ("v", half)))], tokens_per_block=16,
+                      gpu=GpuConfig(slots=n_pages, device="auto"), host=HostConfig(slots=n_pages),
+                      disk=DiskConfig(path=directory, slots=n_pages, fsync=True), persist_on_close=False)
+    nbytes = page_bytes * n_pages
+    rows = []
+    async with Store.open(cfg) as store:
+        dev = store.device
+        pages = await _fill(store, n_pages)
+        await _move_all(store, pages, HOST)           # warm-up: fault the host slab in
+        await _move_all(store, pages, GPU)
+        lag = LoopLagMonitor(0.002).start()
+        down = await _move_all(store, pages, HOST)
+        to_disk = await _move_all(store, pages, DISK)
+        if store.disk is not None:
+            await asyncio.to_thread(_drop_disk_cache, store)
+        from_disk = await _move_all(store, pages, HOST)
+        up = await _move_all(store, pages, GPU)
+        await lag.stop()
+        raw_down, raw_up = _raw_copy(nbytes, dev.torch_device, dev.pin_host)
+        raw_w, raw_r = _raw_file(os.path.join(directory, "raw.bin"), nbytes)
+        label = _size(page_bytes)
+        where = "cuda" if dev.is_cuda else "cpu"
+        for name, secs, raw, base in (("gpu->host", down, raw_down, f"one {where} tensor copy"),
+                                      ("host->gpu", up, raw_up, f"one {where} tensor copy"),
+                                      ("host->disk", to_disk, raw_w, "best sequential write+fdatasync"),
+                                      ("disk->host", from_disk, raw_r, "best sequential read")):
+            got = _gbps(nbytes, secs)
+            rows.append({"bench": f"{name} {label} pages", "value": round(got, 3), "unit": "GB/s",
+                         "baseline": round(raw, 3), "baseline_is": base, "ratio": round(got / raw, 3) if raw else None})
+        rows.append({"bench": f"loop lag p99 during moves ({label})", "value": lag.percentiles_ms()["p99"],
+                     "unit": "ms", "baseline": None, "baseline_is": "", "ratio": None})
+    return rows
+
+
+def _drop_disk_cache(store: Store) -> None:
+    for name in os.listdir(store.cfg.disk.path):
+        if name.endswith(".seg"):
+            fd = os.open(os.path.join(store.cfg.disk.path, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def bench_replay(trace: str, limit: int | None, directory: str) -> dict:
+    requests, _ = read_trace(trace, limit)
+    blocks = sum(len(r.hash_ids) for r in requests)
+    g, h, d = 4096, 16384, 65536
+    oracle = LruPrefixCache(g + h + d)
+    t0 = time.perf_counter()
+    for r in requests:
+        oracle.request(r.hash_ids)
+    bare = blocks / (time.perf_counter() - t0)
+    cfg = StoreConfig(layers=[LayerSpec(0, (("k", 2048), ("v", 2048)))], tokens_per_block=512,
+                      gpu=GpuConfig(slots=g, device="auto"), host=HostConfig(slots=h),
+                      disk=DiskConfig(path=directory, slots=d, fsync=False), persist_on_close=False)
+    async with Store.open(cfg) as store:
+        res = await replay(store, requests, content=False, verify=False)
+    ours = res.blocks / res.seconds
+    return {"bench": f"replay {os.path.basename(trace)} ({len(requests)} requests)", "value": round(ours),
+            "unit": "blocks/s", "baseline": round(bare), "baseline_is": "bare LRU prefix cache",
+            "ratio": round(ours / bare, 4), "hit_rate": round(res.hit_blocks / max(1, res.blocks), 4),
+            "oracle_hit_rate": round(oracle.hits / max(1, oracle.lookups), 4)}
+
+
+def default_trace() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    shared = os.path.join(here, "..", "..", "shared", "traces", "conversation_trace.jsonl")
+    return shared if os.path.exists(shared) else bundled_trace()
+
+
+def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
+              directory: str | None = None) -> dict:
+    from .loop import run
+    sizes = [(256 << 10, 256)] if quick else [(64 << 10, 2048), (256 << 10, 1024), (2 << 20, 256)]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=directory) as tmp:
+        for page, n in sizes:
+            sub = tempfile.mkdtemp(dir=tmp)
+            rows += run(bench_moves(page, n, sub))
+        rows.append(run(bench_replay(trace or default_trace(), 300 if quick else None, tempfile.mkdtemp(dir=tmp))))
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu (emulated gpu)", "rows": rows}
+
+
+def print_bench(out: dict) -> None:
+    from .cli import _table
+    rows = [[r["bench"], r["value"], r["unit"], "" if r["baseline"] is None else r["baseline"], r["baseline_is"],
+             "" if r["ratio"] is None else f"{r['ratio']:.2f}x"] for r in out["rows"]]
+    _table(f"kvtier bench on {out['device']}", ["bench", "value", "unit", "raw limit", "limit is", "ratio"], rows)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

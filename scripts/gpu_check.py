@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""The CUDA path in one go, for a machine with a GPU (under 5 minutes):
+
+1. the runtime tests (store semantics, migration, content through host and
+   disk) with the GPU tier on ``cuda`` (torch.cuda streams and events, pinned
+   host pools);
+2. the migration benchmark: pages moved GPU<->host by the engine against one
+   plain ``cudaMemcpyAsync`` (a non_blocking tensor copy between device memory
+   and pinned host memory) of the same bytes, and disk spill/recall against
+   plain sequential file I/O;
+
+and prints a short table last. Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> int:
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check")
+        return 0
+    name = torch.cuda.get_device_name(0)
+    t0 = time.perf_counter()
+    env = dict(os.environ, KVTIER_TEST_DEVICE="cuda")
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_store.py",
+                            "tests/test_migration.py", "tests/test_streams.py"], cwd=ROOT, env=env)
+    test_secs = time.perf_counter() - t0
+
+    from runtime.bench import bench_moves
+    from runtime.loop import run
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-gpu-check-") as tmp:
+        for page, n in ((64 << 10, 4096), (256 << 10, 2048), (2 << 20, 512)):
+            rows += run(bench_moves(page, n, tempfile.mkdtemp(dir=tmp)))
+    print()
+    print(f"kvtier gpu_check on {name}: tests {'passed' if tests.returncode == 0 else 'FAILED'} "
+          f"in {test_secs:.0f} s")
+    print(f"{'bench':<34} {'GB/s':>8} {'raw GB/s':>9} {'ratio':>6}  raw limit")
+    for r in rows:
+        if r["baseline"] is None:
+            print(f"{r['bench']:<34} {r['value']:>8} {'':>9} {'':>6}  {r['unit']}")
+        else:
+            print(f"{r['bench']:<34} {r['value']:>8.2f} {r['baseline']:>9.2f} {r['ratio']:>6.2f}  "
+                  f"{r['baseline_is'].replace('cuda tensor copy', 'cudaMemcpyAsync (pinned)')}")
+    return tests.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
