@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from tiers.codecs import Codec, get_codec
-from tiers.device import Device
+from tiers.device import Device, aligned_empty
 from tiers.layers import LifeCycle
 from tiers.streams import Event, HostStream
 
@@ -47,11 +47,18 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Rows ``slots`` of ``src`` as a new tensor on ``device``."""
-    if src.device == device:
+    """Rows ``slots`` of ``src`` as a new tensor on ``device`` (page-aligned on
+    the host, so the disk tier can write it without a bounce copy)."""
+    if device.type == "cpu":
+        out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
+            torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
+        if src.device == device:
+            torch.index_select(src, 0, torch.as_tensor(slots, dtype=torch.long), out=out)
+            return out
+    elif src.device == device:
         return src.index_select(0, torch.as_tensor(slots, dtype=torch.long, device=device))
-    out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device,
-                      pin_memory=device.type == "cpu" and src.is_cuda)
+    else:
+        out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
     for off, first, n in _runs(slots):
         out[off:off + n].copy_(src[first:first + n], non_blocking=True)
     return out
@@ -137,7 +144,6 @@ class MigrationEngine:
             self.fault(src_tier, dst_tier)
         dev = self.device.torch_device
         host_dev = torch.device("cpu")
-        pin = self.device.is_cuda
 
         if src_tier == GPU:
             hot = self.gpu[src_group]
@@ -178,7 +184,7 @@ class MigrationEngine:
                     dst_group, list(dst_slots), gather(src, src_slots, host_dev), self._records(pages)), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
-            staging = torch.empty((len(pages), width), dtype=torch.uint8, pin_memory=pin)
+            staging = self.device.host_empty(len(pages), width, zero=False)
             read_deps = [p.ready for p in pages]
             if dst_tier == HOST:
                 dst = self.host[dst_group].tensor

@@ -29,12 +29,34 @@ class Device:
         return str(self.torch_device) if self.is_cuda else "cpu (emulated gpu)"
 
     def empty(self, rows: int, cols: int) -> torch.Tensor:
-        """A GPU-tier slab: ``rows`` slots of ``cols`` bytes."""
-        return torch.zeros((rows, cols), dtype=torch.uint8, device=self.torch_device)
+        """A GPU-tier slab: ``rows`` slots of ``cols`` bytes (page-aligned
+        when emulated, like device memory)."""
+        if self.is_cuda:
+            return torch.zeros((rows, cols), dtype=torch.uint8, device=self.torch_device)
+        return aligned_empty(rows, cols, zero=True)
 
-    def host_empty(self, rows: int, cols: int) -> torch.Tensor:
-        """A host slab, pinned when CUDA copies will read or write it."""
-        return torch.zeros((rows, cols), dtype=torch.uint8, pin_memory=self.pin_host and torch.cuda.is_available())
+    def host_empty(self, rows: int, cols: int, zero: bool = True) -> torch.Tensor:
+        """A host slab or staging buffer, pinned when CUDA copies use it,
+        page-aligned either way (so the disk tier can use O_DIRECT on it
+        without bounce copies)."""
+        if self.pin_host and torch.cuda.is_available():
+            fn = torch.zeros if zero else torch.empty
+            return fn((rows, cols), dtype=torch.uint8, pin_memory=True)   # cudaHostAlloc: page-aligned
+        return aligned_empty(rows, cols, zero=zero)
 
     def new_stream(self, name: str) -> Stream:
         return CudaStream(self.torch_device, name) if self.is_cuda else HostStream(name)
+
+
+PAGE = 4096
+
+
+def aligned_empty(rows: int, cols: int, zero: bool = False) -> torch.Tensor:
+    """A CPU ``[rows, cols]`` uint8 tensor whose first byte is 4096-aligned."""
+    n = rows * cols
+    raw = torch.empty(n + PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % PAGE
+    out = raw[off:off + n].view(rows, cols) if n else torch.empty((rows, cols), dtype=torch.uint8)
+    if zero:
+        out.zero_()
+    return out
