@@ -664,12 +664,15 @@ class Store:
     async def _evict(self, tier: int, victims: list[Page]) -> list[int]:
         """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller."""
         nxt = self.next_tier[tier]
-        if nxt is not None:
+        while nxt is not None:
             counts = collections.Counter(self.group_of[nxt][v.lc] for v in victims)
             try:
                 slots = await self._obtain_many(nxt, counts)
             except OutOfPagesError:
-                if not all(v.published and not v.holders for v in victims):
+                # the next tier is full of locked, held or in-flight pages: skip to a colder one
+                # (cold groups are the same in host and disk); drop only when none can take them
+                nxt = self.next_tier[nxt]
+                if nxt is None and not all(v.published and not v.holders for v in victims):
                     self._unclaim(victims, None)
                     raise
             except BaseException:

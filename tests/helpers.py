@@ -54,14 +54,16 @@ def expected_block(store, seq, lc, b, tag=0) -> torch.Tensor:
 async def fill(store, tokens, n_blocks=None, priority=None):
     """One request: open, acquire, extend the rest, write, commit, close."""
     seq = await store.open_sequence(tokens=tokens, priority=priority)
-    await seq.acquire()
-    start = seq.num_blocks
-    n = len(seq.keys) if n_blocks is None else n_blocks
-    await seq.extend(n - start)
-    write_blocks(store, seq, range(start, n))
-    seq.commit(n)
-    await seq.release()
-    await seq.close()
+    try:
+        await seq.acquire()
+        start = seq.num_blocks
+        n = len(seq.keys) if n_blocks is None else n_blocks
+        await seq.extend(n - start)
+        write_blocks(store, seq, range(start, n))
+        seq.commit(n)
+        await seq.release()
+    finally:
+        await seq.close()
     return seq
 
 

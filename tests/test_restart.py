@@ -1,0 +1,199 @@
+"""The disk tier through the Store: restart recovery, crashes, corruption,
+I/O faults, layout changes and the directory lock."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from runtime import ConfigError, DiskFullError, LayerSpec, Store, TierIOError
+from runtime.content import key_seed, matches, pattern
+
+from helpers import config, expected_block, fill, read_block, toks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(d, gpu=16, host=16, disk=4096, **kw):
+    return config(gpu=gpu, host=host, disk=disk, disk_dir=d, **kw)
+
+
+async def _check_prefix(store, base, n):
+    seq = await store.open_sequence(tokens=toks(base, n))
+    matched, tier = seq.matched_blocks, dict(seq.matched_by_tier)
+    await seq.acquire()
+    ok = all(torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+             for b in range(matched))
+    await seq.close()
+    return matched, tier, ok
+
+
+async def test_thousands_of_pages_survive_a_restart(tmp_path):
+    async with Store.open(_cfg(tmp_path)) as store:
+        for base in range(500):
+            await fill(store, toks(base, 6))                  # 3000 pages
+        assert store.stats()["moves"]["host->disk"]["pages"] > 2000
+    async with Store.open(_cfg(tmp_path)) as store:
+        assert store.stats()["recovered_pages"] == 3000
+        for base in range(0, 500, 7):
+            matched, tier, ok = await _check_prefix(store, base, 6)
+            assert matched == 6 and tier["disk"] == 6 and ok
+        store.check_consistency()
+
+
+CRASH = textwrap.dedent("""
+    import asyncio, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    from runtime import Store
+    from helpers import config, fill, toks
+    async def main():
+        cfg = config(gpu=8, host=8, disk=4096, disk_dir={d!r})
+        cfg.disk.fsync = True
+        async with Store.open(cfg) as store:
+            for base in range(100000):
+                await fill(store, toks(base, 4))
+                if base % 5 == 4:
+                    await asyncio.to_thread(store.disk.flush)
+                    print(base - 4, flush=True)     # bases <= this one had reached disk or were recent
+    asyncio.run(main())
+""")
+
+
+def test_sigkill_mid_spill_then_every_served_page_is_correct(tmp_path):
+    code = CRASH.format(root=ROOT, tests=os.path.join(ROOT, "tests"), d=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(int(line))
+        if len(seen) >= 40:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    async def check():
+        async with Store.open(_cfg(tmp_path, disk=4096)) as store:
+            recovered = store.stats()["recovered_pages"]
+            served = 0
+            for base in range(seen[-1] + 10):
+                matched, tier, ok = await _check_prefix(store, base, 4)
+                assert ok, f"prefix {base}: wrong bytes served"
+                served += matched
+            return recovered, served
+    recovered, served = asyncio.run(check())
+    # everything but the last few requests (still in GPU/host when killed) was spilled durably
+    assert recovered >= 4 * (seen[-1] - 8)
+    assert served >= recovered
+
+
+async def _spill(tmp_path, n=40):
+    async with Store.open(_cfg(tmp_path, gpu=8, host=8)) as store:
+        for base in range(n):
+            await fill(store, toks(base, 4))
+
+
+async def test_flipped_bytes_are_never_served(tmp_path):
+    await _spill(tmp_path)
+    seg = sorted(p for p in os.listdir(tmp_path) if p.endswith(".seg"))[0]
+    path = os.path.join(tmp_path, seg)
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        for off in range(100, len(data), 4096 * 3):        # corrupt every third slot
+            data[off] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    async with Store.open(_cfg(tmp_path)) as store:
+        bad = 0
+        for base in range(40):
+            seq = await store.open_sequence(tokens=toks(base, 4))
+            try:
+                await seq.acquire()
+                for b in range(seq.matched_blocks):
+                    assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+            except Exception as exc:                           # noqa: BLE001
+                assert type(exc).__name__ == "CorruptPageError"
+                bad += 1
+            finally:
+                await seq.close()
+        assert bad > 0
+        assert store.stats()["discarded_pages"] > 0
+        store.check_consistency()
+
+
+async def test_truncated_segment_and_journal(tmp_path):
+    await _spill(tmp_path)
+    seg = sorted(p for p in os.listdir(tmp_path) if p.endswith(".seg"))[0]
+    journal = sorted(p for p in os.listdir(tmp_path) if p.endswith(".journal"))[0]
+    os.truncate(os.path.join(tmp_path, seg), 4096 * 20)
+    jpath = os.path.join(tmp_path, journal)
+    os.truncate(jpath, os.path.getsize(jpath) - 7)
+    async with Store.open(_cfg(tmp_path)) as store:
+        assert store.stats()["discarded_pages"] > 0 or store.stats()["recovered_pages"] < 160
+        for base in range(40):
+            matched, _, ok = await _check_prefix(store, base, 4)
+            assert ok
+
+
+async def test_deleted_segment(tmp_path):
+    await _spill(tmp_path)
+    for p in os.listdir(tmp_path):
+        if p.endswith(".seg"):
+            os.unlink(os.path.join(tmp_path, p))
+    async with Store.open(_cfg(tmp_path)) as store:
+        assert store.stats()["recovered_pages"] == 0
+        assert (await _check_prefix(store, 3, 4))[0] == 0
+        await fill(store, toks(3, 4))                          # and the tier works again
+
+
+@pytest.mark.parametrize("op,err,typ", [("write", errno.EIO, TierIOError), ("read", errno.EIO, TierIOError),
+                                        ("write", errno.ENOSPC, DiskFullError)])
+async def test_io_faults_are_typed_and_lose_nothing(tmp_path, op, err, typ):
+    async with Store.open(_cfg(tmp_path, gpu=8, host=4, disk=64)) as store:
+        for base in range(5):
+            await fill(store, toks(base, 4))                   # bases 0..1 on disk
+        store.disk.inject_fault(op, err)
+        with pytest.raises(typ):
+            if op == "write":
+                await fill(store, toks(10, 4))                 # its eviction spills to disk
+            else:
+                seq = await store.open_sequence(tokens=toks(0, 4))
+                try:
+                    await seq.acquire()
+                finally:
+                    await seq.close()
+        store.check_consistency()
+        other = asyncio.ensure_future(fill(store, toks(20, 2)))   # the loop keeps serving
+        for base in range(5):
+            matched, tier, ok = await _check_prefix(store, base, 4)
+            assert matched == 4 and ok
+        await other
+
+
+async def test_layout_mismatch_and_wipe(tmp_path):
+    await _spill(tmp_path, n=10)
+    other = [LayerSpec(0, (("k", 512), ("v", 512)))]
+    with pytest.raises(ConfigError) as e:
+        async with Store.open(_cfg(tmp_path, layers=other)):
+            pass
+    assert "layout" in str(e.value) or "tiers.disk" in str(e.value)
+    cfg = _cfg(tmp_path, layers=other)
+    cfg.disk.on_mismatch = "wipe"
+    async with Store.open(cfg) as store:
+        assert store.stats()["recovered_pages"] == 0
+
+
+async def test_two_stores_on_one_directory_are_refused(tmp_path):
+    async with Store.open(_cfg(tmp_path)):
+        with pytest.raises(ConfigError) as e:
+            async with Store.open(_cfg(tmp_path)):
+                pass
+        assert "tiers.disk.path" in str(e.value)
+    async with Store.open(_cfg(tmp_path)):
+        pass
