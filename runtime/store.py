@@ -31,6 +31,7 @@ from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
 from .migration import ANONYMOUS_KEY, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES, Block, Page
 from .readiness import wait_events
+from .reclaim import Reclaimer
 from .sequence import Sequence
 
 log = logging.getLogger("kvtier")
@@ -67,6 +68,7 @@ class Store:
         self.discarded = 0
         self.orphaned = 0
         self._tasks: set[asyncio.Task] = set()
+        self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
         self.device: Device | None = None
         self.disk = None
         self.engine: MigrationEngine | None = None
@@ -99,6 +101,15 @@ class Store:
         self.started = True
         if self.disk is not None:
             self._index_recovered()
+        for t in self.tier_ids:
+            cfg = self.cfg.tier_config(TIER_NAMES[t])
+            if t == self.last_tier:
+                continue
+            for g, alloc in enumerate(self.allocs[t]):
+                low = int(alloc.capacity * cfg.reserve)
+                if low > 0:
+                    r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low)
+                    r.start()
 
     def _build(self) -> None:
         """Allocate slabs and open the disk tier (blocking: run off the loop)."""
@@ -128,6 +139,8 @@ class Store:
         """Wait for in-flight moves, optionally persist, release everything."""
         if self.closed:
             return
+        for r in getattr(self, "reclaimers", {}).values():
+            await r.stop()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self.started and self.disk is not None and self.cfg.persist_on_close:
@@ -280,6 +293,10 @@ class Store:
         self._check()
         counts = self._extend_counts(n)
         allocs = self.allocs[GPU]
+        for g, c in counts.items():
+            reclaimer = self.reclaimers.get((GPU, g))
+            if reclaimer is not None:
+                reclaimer.kick_after(c)
         if any(allocs[g].free < c for g, c in counts.items()):
             return None
         return self._place_extension(seq, n, {g: allocs[g].allocate(c) for g, c in counts.items()})
@@ -632,6 +649,9 @@ class Store:
     async def _obtain(self, tier: int, group: int, n: int) -> list[int]:
         """``n`` free slots, evicting (and cascading) as needed."""
         alloc = self.allocs[tier][group]
+        reclaimer = self.reclaimers.get((tier, group))
+        if reclaimer is not None:
+            reclaimer.kick_after(n)
         if n <= alloc.free:
             return alloc.allocate(n)
         got = alloc.allocate(alloc.free)
@@ -875,6 +895,13 @@ class Store:
         if self.disk is not None:
             out["disk"] = dict(self.disk.stats)
         return out
+
+    async def drain(self) -> None:
+        """Wait until no move, eviction or background demotion is in flight."""
+        while self._tasks or any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.sleep(0.001)
 
     def check_consistency(self) -> None:
         """Assert the bookkeeping invariants (tests and ``kvtier stress`` call it)."""

@@ -134,8 +134,8 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
                         await run.op(store, writer)
                         advance(1)
                 await asyncio.gather(*(worker() for _ in range(concurrency)))
-                await asyncio.gather(*list(store._tasks), return_exceptions=True)
                 store.engine.fault = None
+                await store.drain()
                 leaked += _leaks(store)
                 store.check_consistency()
                 store_ref = store

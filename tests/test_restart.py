@@ -45,6 +45,7 @@ async def test_thousands_of_pages_survive_a_restart(tmp_path):
         for base in range(0, 500, 7):
             matched, tier, ok = await _check_prefix(store, base, 6)
             assert matched == 6 and tier["disk"] == 6 and ok
+        await store.drain()
         store.check_consistency()
 
 
@@ -124,6 +125,7 @@ async def test_flipped_bytes_are_never_served(tmp_path):
                 await seq.close()
         assert bad > 0
         assert store.stats()["discarded_pages"] > 0
+        await store.drain()
         store.check_consistency()
 
 
@@ -168,6 +170,7 @@ async def test_io_faults_are_typed_and_lose_nothing(tmp_path, op, err, typ):
                     await seq.acquire()
                 finally:
                     await seq.close()
+        await store.drain()
         store.check_consistency()
         other = asyncio.ensure_future(fill(store, toks(20, 2)))   # the loop keeps serving
         for base in range(5):

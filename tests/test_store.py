@@ -31,6 +31,7 @@ async def test_pages_survive_host_and_disk_bit_exact(tmp_path):
         moves = store.stats()["moves"]
         assert moves["gpu->host"]["pages"] >= 8 and moves["host->disk"]["pages"] >= 4
         assert moves["disk->gpu"]["pages"] == 4
+        await store.drain()
         store.check_consistency()
     del a
 
@@ -73,6 +74,7 @@ async def test_window_pages_evicted(policy, expected):
         assert seq.recompute_blocks(0) == []
         await seq.release()
         await seq.close()
+        await store.drain()
         store.check_consistency()
 
 
@@ -122,6 +124,7 @@ async def test_dropping_a_prefix_critical_page_drops_the_subtree():
         seq = await store.open_sequence(tokens=toks(1, 6))
         assert seq.matched_blocks == 2
         await seq.close()
+        await store.drain()
         store.check_consistency()
 
 
@@ -150,6 +153,7 @@ async def test_locked_pages_never_move_and_out_of_pages_changes_nothing():
         await third.close()
         await seq.close()
         await fill(store, toks(3, 4))                        # now they are DROPPABLE
+        await store.drain()
         store.check_consistency()
 
 

@@ -56,10 +56,14 @@ class TierConfig:
 
     quota: int | str | None = None
     slots: int | None = None
+    reserve: float = 0.03   # share of each group kept free by background demotion (not in the last tier)
 
     def resolve(self, field: str) -> None:
         if self.quota is None and self.slots is None:
             raise ConfigError(f"{field}.quota", "set quota or slots")
+        if isinstance(self.reserve, bool) or not isinstance(self.reserve, (int, float)) \
+                or not 0 <= self.reserve <= 0.5:
+            raise ConfigError(f"{field}.reserve", f"must be a number in 0..0.5, got {self.reserve!r}")
         if self.quota is not None:
             self.quota = parse_size(self.quota, f"{field}.quota")
         if self.slots is not None:

@@ -1,0 +1,85 @@
+"""Background demotion: keep a reserve of free slots in the GPU and host
+tiers so that requests allocate without waiting on evictions, and demote in
+large batches off the request path.
+
+One task per (tier, pool group) with a reserve; it wakes when an allocation
+takes the free count below the low watermark (the reserve) and demotes the
+usual eviction victims (prioritised LRU, cascading) until the free count is
+back at twice the reserve. The last tier keeps no reserve: dropping early
+would only lose hits.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from tiers.errors import KvtierError, OutOfPagesError
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("kvtier")
+MAX_BATCH = 256
+
+
+class Reclaimer:
+    __slots__ = ("store", "tier", "group", "low", "high", "wake", "task", "busy")
+
+    def __init__(self, store: "Store", tier: int, group: int, low: int) -> None:
+        self.store = store
+        self.tier = tier
+        self.group = group
+        self.low = low
+        self.high = 2 * low
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.busy = False
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+    def kick_after(self, n: int) -> None:
+        """Called before ``n`` slots are taken: wake if that goes below the reserve."""
+        if self.store.allocs[self.tier][self.group].free - n < self.low:
+            self.wake.set()
+
+    async def _run(self) -> None:
+        store, alloc = self.store, self.store.allocs[self.tier][self.group]
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            self.busy = True
+            try:
+                await self._refill(store, alloc)
+            finally:
+                self.busy = False
+
+    async def _refill(self, store: "Store", alloc) -> None:
+        while alloc.free < self.high and not store.closed:
+            want = min(self.high - alloc.free, MAX_BATCH, len(store.queues[self.tier][self.group]))
+            if want <= 0:
+                return
+            try:
+                victims = store._pick_victims(self.tier, self.group, want)
+            except OutOfPagesError:
+                return
+            task = store._spawn(store._evict(self.tier, victims))
+            try:
+                slots = await asyncio.shield(task)
+            except asyncio.CancelledError:      # the store is closing: the slots still go back
+                task.add_done_callback(lambda t: t.cancelled() or t.exception() or alloc.release(t.result()))
+                raise
+            except OutOfPagesError:
+                return                          # colder tiers are full of held pages: requests evict on demand
+            except (OSError, KvtierError) as exc:
+                log.warning("background demotion from tier %d failed: %s", self.tier, exc)
+                await asyncio.sleep(0.05)
+                return
+            alloc.release(slots)
