@@ -3,7 +3,9 @@
 A heap of ``[priority, stamp, tiebreak, page]`` entries with lazy deletion:
 removing a page blanks its entry; the heap is rebuilt when blanks dominate.
 Insertion by the page's own stamp is what lets a demoted page keep its
-recency in the colder tier.
+recency in the colder tier. Touching a queued page only updates its stamp:
+``pop`` finds the entry stale and re-inserts it where it now belongs, so a
+hit costs O(1) instead of a heap update.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class EvictionQueue:
                 entry = heapq.heappop(self._heap)
                 page = entry[3]
                 if page is None:
+                    continue
+                if entry[1] != page.stamp or entry[0] != page.priority:
+                    entry[0], entry[1] = page.priority, page.stamp
+                    heapq.heappush(self._heap, entry)
                     continue
                 if accept(page):
                     page.qentry = None

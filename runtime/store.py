@@ -529,11 +529,11 @@ class Store:
 
     def _touch(self, pages) -> None:
         """Stamp pages in the order given (callers pass deepest first)."""
+        clock = self.clock
         for p in pages:
-            self.clock += 1
-            p.stamp = self.clock
-            if p.qentry is not None:
-                self._requeue(p)
+            clock += 1
+            p.stamp = clock          # a queued entry is re-sorted lazily when it reaches the top
+        self.clock = clock
 
     def _evictable(self, p: Page) -> bool:
         return (not p.locks and p.moving is None and not p.dead
