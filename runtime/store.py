@@ -929,9 +929,5 @@ def stream_event(stream):
     """An event recorded on a caller's CUDA stream (None for no stream)."""
     if stream is None:
         return None
-    import torch
-
     from tiers.streams import CudaEvent
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return CudaEvent(ev, None)
+    return CudaEvent.on(stream)

@@ -150,12 +150,22 @@ class HostStream:
 
 
 class CudaEvent(Event):
-    __slots__ = ("_event", "_stream", "_error")
+    """A ``torch.cuda.Event``. Done-callbacks come from the recording
+    stream's waiter thread, or from a shared one for events recorded on a
+    caller's stream (``CudaEvent.on(stream)``)."""
 
-    def __init__(self, event: "torch.cuda.Event", stream: "CudaStream") -> None:
+    __slots__ = ("_event", "_waiter", "_error")
+
+    def __init__(self, event: "torch.cuda.Event", waiter: "_EventWaiter") -> None:
         self._event = event
-        self._stream = stream
+        self._waiter = waiter
         self._error = None
+
+    @classmethod
+    def on(cls, stream: "torch.cuda.Stream") -> "CudaEvent":
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return cls(ev, _foreign_waiter(stream.device))
 
     def query(self) -> bool:
         return self._event.query()
@@ -164,27 +174,28 @@ class CudaEvent(Event):
         self._event.synchronize()
 
     def add_done_callback(self, cb: Callback) -> None:
-        self._stream._waiter.put((self._event, cb))
+        self._waiter.put(self._event, cb)
 
 
-class CudaStream:
-    """A ``torch.cuda.Stream`` with the HostStream contract."""
+class _EventWaiter:
+    """One thread that synchronizes CUDA events in submission order (events of
+    one stream complete in order) and then calls their callbacks."""
 
-    kind = "cuda"
-    __slots__ = ("name", "stream", "device", "_waiter", "_thread")
+    __slots__ = ("_queue", "_thread", "device")
 
-    def __init__(self, device: torch.device, name: str = "kvtier-cuda") -> None:
-        self.name = name
+    def __init__(self, device: torch.device, name: str) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        self._waiter: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._wait_loop, name=name + "-waiter", daemon=True)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _wait_loop(self) -> None:
+    def put(self, event: "torch.cuda.Event", cb: Callback) -> None:
+        self._queue.put((event, cb))
+
+    def _run(self) -> None:
         torch.cuda.set_device(self.device)
         while True:
-            item = self._waiter.get()
+            item = self._queue.get()
             if item is None:
                 return
             event, cb = item
@@ -194,6 +205,35 @@ class CudaStream:
             except BaseException as exc:   # noqa: BLE001
                 error = exc
             _invoke(cb, error)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+_FOREIGN: dict = {}
+_FOREIGN_LOCK = threading.Lock()
+
+
+def _foreign_waiter(device: torch.device) -> _EventWaiter:
+    with _FOREIGN_LOCK:
+        w = _FOREIGN.get(device)
+        if w is None:
+            w = _FOREIGN[device] = _EventWaiter(device, "kvtier-cuda-foreign-waiter")
+        return w
+
+
+class CudaStream:
+    """A ``torch.cuda.Stream`` with the HostStream contract."""
+
+    kind = "cuda"
+    __slots__ = ("name", "stream", "device", "_waiter")
+
+    def __init__(self, device: torch.device, name: str = "kvtier-cuda") -> None:
+        self.name = name
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._waiter = _EventWaiter(device, name + "-waiter")
 
     def submit(self, fn: Callable[[], None]) -> Event:
         with torch.cuda.stream(self.stream):
@@ -206,7 +246,7 @@ class CudaStream:
     def record(self) -> CudaEvent:
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        return CudaEvent(ev, self)
+        return CudaEvent(ev, self._waiter)
 
     def can_wait(self, ev: Event) -> bool:
         """Host events would block the issuing thread; the engine awaits them first."""
@@ -222,8 +262,7 @@ class CudaStream:
         self.stream.synchronize()
 
     def close(self) -> None:
-        self._waiter.put(None)
-        self._thread.join()
+        self._waiter.close()
 
 
 def _failed(exc: BaseException) -> HostEvent:
