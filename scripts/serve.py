@@ -414,6 +414,18 @@ class ServerState:
         sess.acquired = True
         self.fill(sess)
 
+    @contextlib.asynccontextmanager
+    async def pages_on_gpu(self, sess: Session):
+        """Acquire a released sequence for one request's work, then release it again."""
+        was = sess.acquired
+        if not was:
+            await self.acquire(sess)
+        try:
+            yield
+        finally:
+            if not was:
+                await self.release(sess)
+
     async def release(self, sess: Session) -> None:
         await sess.seq.release(self.stream())
         sess.acquired = False
@@ -532,16 +544,10 @@ async def extend(request: web.Request) -> web.Response:
     sess = st.session(request)
     async with sess.lock:
         st.session(request)
-        was = sess.acquired
-        if not was:
-            await st.acquire(sess)
-        try:
+        async with st.pages_on_gpu(sess):
             await sess.seq.extend(n)
             st.fill(sess)
             out = {"num_blocks": sess.seq.num_blocks, "page_indices": st.page_indices(sess)}
-        finally:
-            if not was:
-                await st.release(sess)
         return web.json_response(out)
 
 
@@ -602,14 +608,8 @@ async def verify(request: web.Request) -> web.Response:
     sess = st.session(request)
     async with sess.lock:
         st.session(request)
-        was = sess.acquired
-        if not was:
-            await st.acquire(sess)
-        try:
+        async with st.pages_on_gpu(sess):
             out = st.check(sess)
-        finally:
-            if not was:
-                await st.release(sess)
         return web.json_response(out)
 
 
