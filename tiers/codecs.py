@@ -13,6 +13,8 @@ Non-finite inputs are not representable and decode as garbage.
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from .errors import ConfigError
@@ -23,23 +25,24 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
           "uint8": torch.uint8, "int8": torch.int8}
 
 
-class Codec:
+class Codec(abc.ABC):
     name = ""
     lossless = True
 
     def check(self, lc: LifeCycle) -> None:
         """Raise ConfigError if the life cycle's pages cannot use this codec."""
 
+    @abc.abstractmethod
     def cold_page_bytes(self, lc: LifeCycle) -> int:
-        raise NotImplementedError
+        """Fixed size of this life cycle's cold page."""
 
+    @abc.abstractmethod
     def encode(self, hot: torch.Tensor, lc: LifeCycle) -> torch.Tensor:
         """[B, page_bytes] uint8 -> [B, cold_page_bytes] uint8."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, cold: torch.Tensor, lc: LifeCycle) -> torch.Tensor:
         """[B, cold_page_bytes] uint8 -> [B, page_bytes] uint8."""
-        raise NotImplementedError
 
 
 class ConcatCodec(Codec):
