@@ -180,8 +180,9 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                 ev = await self._stage(busy, self.up, job, deps)
             else:
-                ev = await self._stage(busy, self.io_write, lambda: self.disk.write(
-                    dst_group, list(dst_slots), gather(src, src_slots, host_dev), self._records(pages)), deps)
+                records = self._records(pages)
+                ev = await self._stage(busy, self.io_write,
+                                       lambda: self._spill_runs(src, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
             staging = self.device.host_empty(len(pages), width, zero=False)
@@ -189,9 +190,9 @@ class MigrationEngine:
             if dst_tier == HOST:
                 dst = self.host[dst_group].tensor
 
-                def job() -> None:
-                    self.disk.read(src_group, src_slots, staging)
-                    scatter(dst, dst_slots, staging)
+                def job() -> None:          # straight into the host slab, one read per run of slots
+                    for off, first, n in _runs(dst_slots):
+                        self.disk.read(src_group, src_slots[off:off + n], dst[first:first + n])
                 ev = await self._stage(busy, self.io_read, job, read_deps + list(fences))
             else:
                 dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
@@ -227,6 +228,22 @@ class MigrationEngine:
         if stream.kind == "cuda":
             busy[0] += time.perf_counter() - t_issue
         return ev
+
+    def _spill_runs(self, src: torch.Tensor, src_slots: list[int], group: int, dst_slots: Sequence[int],
+                    records: list) -> None:
+        """Host rows to disk with no staging copy: one write per run of
+        consecutive source slots (the slab rows are the buffer). If a run
+        fails, the runs already written are freed again, so the batch fails
+        as a whole and the disk tier holds none of it."""
+        done: list[int] = []
+        try:
+            for off, first, n in _runs(src_slots):
+                self.disk.write(group, list(dst_slots[off:off + n]), src[first:first + n], records[off:off + n])
+                done.extend(dst_slots[off:off + n])
+        except BaseException:
+            if done:
+                self.disk.free(group, done)
+            raise
 
     def _records(self, pages: Sequence[Page]) -> list:
         out = []
