@@ -138,7 +138,7 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str) -> list[dic
         up = await _move_all(store, pages, GPU)
         await lag.stop()
         raw_down, raw_up = _raw_copy(nbytes, dev.torch_device, dev.pin_host)
-        raw_w, raw_r = _raw_file(os.path.join(directory, "raw.bin"), nbytes)
+        raw_w, raw_r = _raw_file(os.path.join(directory, "raw.bin"), nbytes, chunk=BATCH * page_bytes)
         label = _size(page_bytes)
         where = "cuda" if dev.is_cuda else "cpu"
         for name, secs, raw, base in (("gpu->host", down, raw_down, f"one {where} tensor copy"),
