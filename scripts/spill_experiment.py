@@ -298,6 +298,7 @@ def plan(args, stats: dict) -> tuple[list[Point], bool]:
 async def _replay_point(cfg: StoreConfig, requests, concurrency: int, advance) -> tuple[dict, dict]:
     async with Store.open(cfg) as store:
         res = await replay(store, requests, concurrency=concurrency, content=True, verify=True, progress=advance)
+        await store.drain()           # background demotions still in flight count too
         stats = store.stats()
         device = store.device.name
     return res.as_dict() | {"device": device}, stats
