@@ -19,7 +19,7 @@ class Sequence:
     store does the work, this object holds the sequence's state."""
 
     __slots__ = ("store", "keys", "tokens", "blocks", "pages", "priority", "matched_blocks", "matched_by_tier",
-                 "committed", "acquired", "closed", "busy", "task", "recompute")
+                 "committed", "acquired", "locked", "closed", "busy", "task", "recompute")
 
     def __init__(self, store: "Store", keys: list[BlockKey], tokens: list[int] | None, priority: int) -> None:
         self.store = store
@@ -32,6 +32,7 @@ class Sequence:
         self.matched_by_tier = {"gpu": 0, "host": 0, "disk": 0}
         self.committed = 0
         self.acquired = False
+        self.locked: list[Page] = []            # exactly the pages this sequence's acquire locked
         self.closed = False
         self.busy = False
         self.task = None                        # the running acquire/extend (it outlives a cancelled caller)

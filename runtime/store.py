@@ -209,12 +209,13 @@ class Store:
         by_tier = collections.Counter()
         held = []
         for node in path:
-            row = [p if p is not None and not p.dead else None for p in node.pages]
+            row = [p if p is not None and not p.dead and p.published else None for p in node.pages]
             seq.pages.append(row)
             coldest = -1
             for p in row:
                 if p is not None:
                     p.holders += 1
+                    self._requeue(p)        # a held page leaves the last tier's drop queue
                     held.append(p)
                     coldest = max(coldest, p.tier)
             if coldest >= 0:
@@ -328,6 +329,10 @@ class Store:
                 p = self._new_page(block, lc, GPU, g, slot, seq.priority)
                 p.holders = 1
                 p.locks = locks
+                if locks:
+                    seq.locked.append(p)
+                else:
+                    self._requeue(p)
                 block.pages[lc] = p
                 row.append(p)
             seq.blocks.append(block)
@@ -368,25 +373,24 @@ class Store:
             self._unqueue(p)
         self._touch(pages)
         seq.acquired = True
+        seq.locked = pages
         return True
 
     async def _acquire(self, seq: Sequence) -> list[Page]:
         self._check()
         if seq.acquired:
             raise UsageError("sequence is already acquired")
-        needed = self._needed(seq)
-        holes = [(b, lc) for b, lc in needed if seq.pages[b][lc] is None or seq.pages[b][lc].dead]
-        if holes:
-            await self._fill_holes(seq, holes)
-        pages = [seq.pages[b][lc] for b, lc in needed]
-        while True:
+        while True:       # every await may change pages: re-check until a pass needs none
+            needed = self._needed(seq)
+            holes = [(b, lc) for b, lc in needed if seq.pages[b][lc] is None or seq.pages[b][lc].dead]
+            if holes:
+                await self._fill_holes(seq, holes)
+                continue
+            pages = [seq.pages[b][lc] for b, lc in needed]
             waits = [p.moving for p in pages if p.moving is not None]
             if not waits:
                 break
             await asyncio.wait(waits)
-            for p in pages:
-                if p.dead:
-                    raise UsageError("a page of this sequence was freed while acquiring")
             for f in waits:
                 if not f.cancelled() and f.exception() is not None and getattr(f, "to_gpu", False):
                     raise f.exception()
@@ -411,6 +415,7 @@ class Store:
             raise
         self._touch(pages)
         seq.acquired = True
+        seq.locked = list(pages)
         return pages
 
     async def _fill_holes(self, seq: Sequence, holes: list[tuple[int, int]]) -> None:
@@ -423,12 +428,14 @@ class Store:
             fences.append(self.allocs[GPU][g].fences[slot])
             p = self._new_page(seq.blocks[b], lc, GPU, g, slot, seq.priority)
             p.holders = 1
+            self._requeue(p)
             seq.pages[b][lc] = p
             seq.recompute.add((b, lc))
         await wait_events(fences)
 
     def _undo_acquire(self, seq: Sequence, pages: list[Page]) -> None:
         seq.acquired = False
+        seq.locked = []
         self._unlock(pages)
 
     def _unlock(self, pages: Seq[Page]) -> None:
@@ -438,17 +445,18 @@ class Store:
                 self._requeue(p)
 
     def _release(self, seq: Sequence, stream=None) -> None:
+        """Unlock exactly the pages this sequence locked (others may share them)."""
         if not seq.acquired:
             return
         seq.acquired = False
         ev = stream_event(stream)
-        for row in seq.pages:
-            for p in row:
-                if p is not None and p.locks:
-                    if ev is not None and p.tier == GPU:
-                        p.ready = ev
-                    p.locks -= 1
-                    self._requeue(p)
+        locked, seq.locked = seq.locked, []
+        for p in locked:
+            if ev is not None and p.tier == GPU:
+                p.ready = ev
+            p.locks -= 1
+            if not p.dead:
+                self._requeue(p)
 
     def _stream_wait(self, seq: Sequence, stream) -> None:
         for b, lc in self._needed(seq):
@@ -466,6 +474,8 @@ class Store:
                     self._adopt(block, row, seq, i)
                 continue
             parent = seq.blocks[i - 1] if i else None
+            if parent is not None and not parent.indexed:
+                break           # an ancestor was dropped meanwhile: nothing deeper can be reused
             key = seq.keys[i]
             node = self.nodes.get(key)
             if node is not None and (node.parent is not parent or node.depth != i):
@@ -477,20 +487,24 @@ class Store:
                     parent.children[key] = block
                 node = block
                 for p in row:
-                    if p is not None and self.lcs[p.lc].reuse is not ReusePolicy.PRIVATE:
+                    if p is None:
+                        continue
+                    if self.lcs[p.lc].reuse is ReusePolicy.PRIVATE or p.dead:
+                        block.pages[p.lc] = None        # the sequence keeps it; the index never sees it
+                    else:
                         p.published = True
                         self._requeue(p)
             else:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i)
             seq.recompute = {(b, lc) for b, lc in seq.recompute if b != i}
-        seq.committed = max(seq.committed, n)
+            seq.committed = max(seq.committed, i + 1)
         self._touch(p for row in reversed(seq.pages[:n]) for p in row if p is not None)
 
     def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int) -> None:
         """Publish ``row``'s pages into ``node`` where it has none (or only an idle colder copy)."""
         for lc, p in enumerate(row):
-            if p is None or p.published or self.lcs[lc].reuse is ReusePolicy.PRIVATE:
+            if p is None or p.dead or p.published or self.lcs[lc].reuse is ReusePolicy.PRIVATE:
                 continue
             if (i, lc) in seq.recompute and self.lcs[lc].reuse is not ReusePolicy.OPTIONAL:
                 continue
@@ -577,7 +591,8 @@ class Store:
 
     def _drop(self, p: Page, release_slot: bool = True) -> None:
         """Drop a published page from the index (the last tier's eviction)."""
-        self.drops += 1
+        if not p.dead:
+            self.drops += 1
         block = p.block
         lc = self.lcs[p.lc]
         p.published = False
@@ -614,6 +629,7 @@ class Store:
     def _claim(self, pages: Seq[Page], to_tier: int) -> None:
         loop = asyncio.get_running_loop()
         for p in pages:
+            assert not p.dead, f"claiming a freed page {p}"
             fut = loop.create_future()
             fut.to_gpu = to_tier == GPU
             fut.add_done_callback(_consume)
@@ -718,6 +734,7 @@ class Store:
         group). With ``handoff`` the source slots are returned to the caller
         instead of freed. On failure every batch's claims are settled and the
         first error is raised (after the others finish)."""
+        src_tier, src_group = pages[0].tier, pages[0].group     # handoff: one source (tier, group)
         batches: dict[tuple[int, int, int], list[Page]] = collections.defaultdict(list)
         for p in sorted(pages, key=lambda p: p.slot):
             batches[(p.tier, p.group, self.group_of[dst_tier][p.lc])].append(p)
@@ -735,7 +752,7 @@ class Store:
                 freed.extend(r)
         if error is not None:
             if handoff and freed:     # source slots of the batches that did move: nobody takes them now
-                self.allocs[pages[0].tier][pages[0].group].release(freed)
+                self.allocs[src_tier][src_group].release(freed)
             raise error
         return freed
 
@@ -918,6 +935,12 @@ class Store:
                 for p in owners:
                     if p is not None:
                         assert (p.qentry is not None) == self._evictable(p), f"queue membership of {p}"
+        for node in self.nodes.values():
+            assert node.indexed and (node.parent is None or node.parent.indexed), f"stale node at {node.depth}"
+            for p in node.pages:
+                if p is not None:
+                    assert p.published and not p.dead, f"{p} in the index"
+                    assert self.owners[p.tier][p.group][p.slot] is p, f"{p} does not own its slot"
 
 
 def _consume(fut: asyncio.Future) -> None:

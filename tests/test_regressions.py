@@ -1,0 +1,119 @@
+"""Regression tests for bugs found in review: each failed before its fix."""
+from __future__ import annotations
+
+import pytest
+
+from runtime import LayerSpec, ReusePolicy, Store, TierIOError
+from runtime.pages import GPU, HOST
+
+from helpers import config, fill, toks, two_life_cycles, write_blocks
+
+
+async def test_held_pages_in_the_last_tier_are_never_dropped(tmp_path):
+    async with Store.open(config(gpu=4, host=4, disk=12, disk_dir=tmp_path)) as store:
+        for base in (1, 2, 3):
+            await fill(store, toks(base, 4))                   # toks(1) now on disk, the last tier
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        assert seq.matched_by_tier["disk"] == 4
+        await store.drain()
+        store.check_consistency()
+        for base in range(10, 18):
+            await fill(store, toks(base, 4))                   # disk pressure while seq holds its pages
+        assert not any(p.dead for row in seq.pages for p in row)
+        await seq.acquire()
+        assert seq.recompute_blocks(0) == []
+        await seq.close()
+
+
+@pytest.mark.parametrize("failing_batch", [1, 2])
+async def test_partly_failed_demotion_returns_slots_to_the_right_allocator(failing_batch):
+    kv = (("k", 128), ("v", 128))
+    layers = [LayerSpec(0, kv, codec="concat"),     # one GPU group feeding two cold groups
+              LayerSpec(1, kv, window_tokens=8, sink_tokens=4, reuse=ReusePolicy.SINK_REQUIRED_ONLY, codec="int8")]
+    async with Store.open(config(gpu=8, host=16, layers=layers)) as store:
+        assert len(set(store.pool_groups("host").values())) == 2
+        await fill(store, toks(1, 4))
+        calls = {"n": 0}
+
+        def fault(src, dst):
+            if (src, dst) == (GPU, HOST):
+                calls["n"] += 1
+                if calls["n"] == failing_batch:
+                    raise TierIOError("injected")
+        store.engine.fault = fault
+        with pytest.raises(TierIOError):
+            await fill(store, toks(2, 4))
+        await store.drain()
+        store.check_consistency()
+
+
+async def test_release_unlocks_only_what_this_sequence_locked():
+    async with Store.open(config(gpu=24, host=32, layers=two_life_cycles())) as store:
+        await fill(store, toks(1, 6))
+        y = await store.open_sequence(tokens=toks(1, 3))        # its window needs blocks 0..2
+        await y.acquire()
+        x = await store.open_sequence(tokens=toks(1, 6))        # holds blocks 1..2 without locking them
+        await x.acquire()
+        await x.release()
+        assert [row[1].locks for row in y.pages] == [1, 1, 1]
+        for base in range(10, 16):
+            await fill(store, toks(base, 4))                    # GPU pressure
+        assert all(i >= 0 for i in y.page_indices(1))
+        await y.release()
+        await x.close()
+        await y.close()
+        await store.drain()
+        store.check_consistency()
+
+
+async def test_private_pages_are_never_shared_through_the_index():
+    kv = (("k", 128), ("v", 128))
+    layers = [LayerSpec(0, kv), LayerSpec(1, kv, reuse=ReusePolicy.PRIVATE)]
+    async with Store.open(config(gpu=16, layers=layers)) as store:
+        a = await store.open_sequence(tokens=toks(1, 2))
+        await a.acquire()
+        await a.extend(2)
+        write_blocks(store, a, range(2))
+        a.commit(2)
+        assert store.nodes[a.keys[0]].pages[1] is None
+        b = await store.open_sequence(tokens=toks(1, 2))
+        assert all(row[1] is None for row in b.pages)
+        await b.acquire()
+        assert b.recompute_blocks(1) == [0, 1]
+        slots_b = b.page_indices(1)
+        await a.close()
+        c = await store.open_sequence(tokens=toks(2, 2))
+        await c.acquire()
+        await c.extend(2)
+        assert not set(c.page_indices(1)) & set(slots_b)
+        for s in (b, c):
+            await s.close()
+        await store.drain()
+        store.check_consistency()
+
+
+async def test_commit_after_the_shared_prefix_was_dropped_does_not_index_orphans():
+    async with Store.open(config(gpu=12)) as store:
+        prompt = toks(1, 3)
+        a = await store.open_sequence(tokens=prompt)
+        b = await store.open_sequence(tokens=prompt)            # the same prompt, concurrently
+        for s in (a, b):
+            await s.acquire()
+            await s.extend(3)
+            write_blocks(store, s, range(3))
+        b.commit(2)
+        await b.release()
+        await b.close()
+        a.commit(2)                                             # dedupes onto b's blocks
+        await fill(store, toks(9, 8))                           # b's blocks are dropped
+        a.commit(3)
+        assert a.keys[2] not in store.nodes
+        await a.close()
+        c = await store.open_sequence(tokens=prompt)
+        await c.acquire()
+        await c.extend(3 - c.num_blocks)
+        write_blocks(store, c, range(3))
+        c.commit(3)                                             # no "indexed at another position"
+        await c.close()
+        await store.drain()
+        store.check_consistency()
