@@ -113,6 +113,8 @@ class Sequence:
         self._check_open()
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        if self.busy:
+            raise UsageError("commit while an acquire or extend of this sequence is still running")
         if num_blocks > len(self.blocks):
             raise UsageError(f"cannot commit {num_blocks} blocks: only {len(self.blocks)} have pages")
         if num_blocks > len(self.keys):

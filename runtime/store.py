@@ -341,7 +341,7 @@ class Store:
         return fences
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
-        for _ in range(n):
+        for _ in range(min(n, len(seq.blocks) - seq.committed)):
             seq.blocks.pop()
             for p in seq.pages.pop():
                 if p is not None:
