@@ -24,7 +24,7 @@ MAX_BATCH = 256
 
 
 class Reclaimer:
-    __slots__ = ("store", "tier", "group", "low", "high", "wake", "task", "busy")
+    __slots__ = ("store", "tier", "group", "low", "high", "wake", "task", "busy", "idle")
 
     def __init__(self, store: "Store", tier: int, group: int, low: int) -> None:
         self.store = store
@@ -35,6 +35,8 @@ class Reclaimer:
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.busy = False
+        self.idle = asyncio.Event()             # set whenever no background batch is in flight
+        self.idle.set()
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
@@ -56,10 +58,12 @@ class Reclaimer:
             await self.wake.wait()
             self.wake.clear()
             self.busy = True
+            self.idle.clear()
             try:
                 await self._refill(store, alloc)
             finally:
                 self.busy = False
+                self.idle.set()
 
     async def _refill(self, store: "Store", alloc) -> None:
         while alloc.free < self.high and not store.closed:

@@ -672,7 +672,19 @@ class Store:
             return alloc.allocate(n)
         got = alloc.allocate(alloc.free)
         try:
-            victims = self._pick_victims(tier, group, n - len(got))
+            while True:
+                try:
+                    victims = self._pick_victims(tier, group, n - len(got))
+                    break
+                except OutOfPagesError:
+                    # pages the background demotion has claimed are not evictable, but their slots
+                    # come free when it finishes: wait for that rather than fail
+                    if reclaimer is None or not reclaimer.busy:
+                        raise
+                    await reclaimer.idle.wait()
+                    got += alloc.allocate(min(alloc.free, n - len(got)))
+                    if len(got) == n:
+                        return got
             freed = await self._evict(tier, victims)
         except BaseException:
             self._give_back(tier, group, got)
