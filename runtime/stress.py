@@ -59,6 +59,7 @@ class _Run:
             if self.faults and r.random() < 0.05:
                 task = asyncio.ensure_future(seq.acquire())
                 await asyncio.sleep(r.random() * 0.002)
+                self.counts["injected"] += not task.done()
                 task.cancel()
                 try:
                     await task
@@ -125,7 +126,7 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
                     orphaned += st["orphaned_pages"]
                 writer = PageWriter(store)
                 if faults:
-                    _inject(store, run.rng)
+                    _inject(store, run.rng, run.counts)
                 budget = ops // phases + (ops % phases if phase == phases - 1 else 0)
                 queue = iter(range(budget))
 
@@ -141,16 +142,18 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
                 store_ref = store
             expected = _disk_keys(store_ref) if phase < phases - 1 else set()
     return {"ops": run.counts["ops"], "verified_pages": run.counts["verified_pages"],
-            "corrupt": run.counts["corrupt"], "lost": lost, "leaked_slots": leaked,
+            "corrupt": run.counts["corrupt"], "lost": lost, "faults_injected": run.counts["injected"], "leaked_slots": leaked,
             "discarded": discarded, "recovered": recovered, "orphaned": orphaned, "restarts": restarts, "errors_by_type": dict(run.errors)}
 
 
-def _inject(store: Store, rng: random.Random) -> None:
+def _inject(store: Store, rng: random.Random, counts: collections.Counter) -> None:
     """Random move failures, and EIO on the disk tier now and then."""
     def fault(src: int, dst: int) -> None:
         x = rng.random()
-        if x < 0.02:
+        if x < 0.04:
+            counts["injected"] += 1
             raise TierIOError(f"injected move failure {src}->{dst}")
-        if store.disk is not None and x < 0.03:
+        if store.disk is not None and x < 0.06:
+            counts["injected"] += 1
             store.disk.inject_fault(rng.choice(("read", "write")), errno.EIO)
     store.engine.fault = fault

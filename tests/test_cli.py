@@ -16,7 +16,7 @@ def test_stress_with_faults_and_restarts():
     assert out["ops"] == 300
     assert out["corrupt"] == 0 and out["lost"] == 0 and out["leaked_slots"] == 0
     assert out["verified_pages"] > 500 and out["recovered"] > 0
-    assert sum(out["errors_by_type"].values()) > 0          # faults really were injected
+    assert out["faults_injected"] > 0
 
 
 def test_groups_json_shows_sink_only_sharing_required_pools():
