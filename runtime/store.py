@@ -875,7 +875,8 @@ class Store:
             taken[rp.group].add(rp.slot)
         for g, alloc in enumerate(allocs):
             all_slots = alloc.allocate(alloc.capacity)
-            alloc.release([s for s in all_slots if s not in taken[g]])
+            # highest first, so the lowest free slots are handed out first and the segment stays compact
+            alloc.release(sorted((s for s in all_slots if s not in taken[g]), reverse=True))
         # blocks missing a prefix-critical page can never match: drop them with their subtrees
         before = sum(1 for o in self.owners[DISK] for p in o if p is not None)
         for node in sorted(self.nodes.values(), key=lambda n: n.depth):

@@ -200,3 +200,17 @@ async def test_two_stores_on_one_directory_are_refused(tmp_path):
         assert "tiers.disk.path" in str(e.value)
     async with Store.open(_cfg(tmp_path)):
         pass
+
+
+async def test_a_new_disk_quota_keeps_the_pages_that_fit(tmp_path):
+    await _spill(tmp_path)                                      # 4096 disk slots, 160 pages on disk
+    async with Store.open(_cfg(tmp_path, disk=8192)) as store:  # grown: everything is still there
+        assert store.stats()["recovered_pages"] == 160
+        assert (await _check_prefix(store, 3, 4))[2]
+    async with Store.open(_cfg(tmp_path, disk=64)) as store:    # shrunk: slots past the quota are gone
+        st = store.stats()
+        assert 0 < st["recovered_pages"] <= 64
+        for base in range(40):
+            assert (await _check_prefix(store, base, 4))[2]
+        segs = [os.path.getsize(os.path.join(tmp_path, p)) for p in os.listdir(tmp_path) if p.endswith(".seg")]
+        assert max(segs) <= 64 * 4096

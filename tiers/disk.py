@@ -440,8 +440,12 @@ class DiskTier:
                 raise ConfigError("tiers.disk.layout",
                                   f"{self.path!r} holds another layout: {problem} (on_mismatch='wipe' discards it)")
             log.warning("disk tier %s: %s; wiping the old pages", self.path, problem)
-        if fresh or problem is not None:
-            self._remove_data_files()
+        resized = not fresh and problem is None and [list(g) for g in have.get("groups")] != want["groups"]
+        if resized:
+            log.warning("disk tier %s: quota changed; pages in slots beyond a smaller quota are dropped", self.path)
+        if fresh or problem is not None or resized:
+            if not resized:
+                self._remove_data_files()
             tmp = header_path + ".tmp"
             with open(tmp, "wb") as f:
                 f.write(_packb(want))
@@ -469,6 +473,11 @@ class DiskTier:
             if dirty:
                 needs_checkpoint.append(g)
         self._gen = max_gen + 1
+        for g in self.groups:               # a smaller quota: the file shrinks to it
+            if g.size > g.max_size:
+                os.ftruncate(g.seg_fd, g.max_size)
+                g.size = g.max_size
+                needs_checkpoint.append(g)
         if self.fsync:
             _fsync_dir(self.path)
         for g in needs_checkpoint:
@@ -485,7 +494,7 @@ class DiskTier:
         if len(have) != len(want):
             return f"directory has {len(have)} cold pool groups, this store has {len(want)}"
         for i, (a, b) in enumerate(zip(have, want)):
-            if list(a) != list(b):
+            if list(a)[:1] != list(b)[:1]:        # a new slot count (quota) is fine: see _open_locked
                 return (f"pool group {i} differs: directory has (slot_bytes={a[0]}, slots={a[1]}), "
                         f"this store has (slot_bytes={b[0]}, slots={b[1]})")
         return None
