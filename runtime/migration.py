@@ -23,7 +23,7 @@ from tiers.device import Device, aligned_empty
 from tiers.layers import LifeCycle
 from tiers.streams import Event, HostStream
 
-from .pages import DISK, GPU, HOST, TIER_NAMES, Page
+from .pages import GPU, HOST, TIER_NAMES, Page
 from .readiness import wait_event, wait_events
 from .stats import MoveStats
 

@@ -29,7 +29,7 @@ from tiers.slots import SlotAllocator
 from .eviction import EvictionQueue
 from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
 from .migration import ANONYMOUS_KEY, MigrationEngine
-from .pages import DISK, GPU, HOST, TIER_NAMES, Block, Page
+from .pages import DISK, GPU, TIER_NAMES, Block, Page
 from .readiness import wait_events
 from .reclaim import Reclaimer
 from .sequence import Sequence

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from runtime import ConfigError, DiskFullError, LayerSpec, Store, TierIOError
-from runtime.content import key_seed, matches, pattern
 
 from helpers import config, expected_block, fill, read_block, toks
 

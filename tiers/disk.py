@@ -1008,7 +1008,6 @@ class DiskTier:
                     os.fdatasync(g.seg_fd)
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
-            t2 = time.perf_counter()
             # 3. the records (with any other pending frees of the group), then a barrier
             gen = self._take_gens(n)
             recs = self._free_records(g)
