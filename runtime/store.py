@@ -554,11 +554,15 @@ class Store:
                 and (p.tier != self.last_tier or (p.published and not p.holders)))
 
     def _requeue(self, p: Page) -> None:
-        q = self.queues[p.tier][p.group]
+        """Make queue membership match evictability. A queued page stays
+        where it is: its entry is re-sorted lazily by stamp and priority."""
+        evictable = self._evictable(p)
         if p.qentry is not None:
-            q.remove(p)
-        if self._evictable(p):
-            q.push(p)
+            if evictable:
+                return
+            self.queues[p.tier][p.group].remove(p)
+        elif evictable:
+            self.queues[p.tier][p.group].push(p)
 
     def _unqueue(self, p: Page) -> None:
         if p.qentry is not None:
