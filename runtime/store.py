@@ -676,9 +676,11 @@ class Store:
             return alloc.allocate(n)
         got = alloc.allocate(alloc.free)
         try:
+            # evicting on demand: refill the background reserve in the same batch
+            extra = reclaimer.high if reclaimer is not None else 0
             while True:
                 try:
-                    victims = self._pick_victims(tier, group, n - len(got))
+                    victims = self._pick_victims(tier, group, n - len(got), extra)
                     break
                 except OutOfPagesError:
                     # pages the background demotion has claimed are not evictable, but their slots
@@ -693,12 +695,17 @@ class Store:
         except BaseException:
             self._give_back(tier, group, got)
             raise
-        return got + freed
+        need = n - len(got)
+        if len(freed) > need:
+            alloc.release(freed[need:])
+        return got + freed[:need]
 
-    def _pick_victims(self, tier: int, group: int, need: int) -> list[Page]:
+    def _pick_victims(self, tier: int, group: int, need: int, extra: int = 0) -> list[Page]:
+        """Claim ``need`` victims (or raise, nothing claimed), plus up to
+        ``extra`` more if the queue has them."""
         q = self.queues[tier][group]
         victims = []
-        while len(victims) < need:
+        while len(victims) < need + extra:
             p = q.pop()
             if p is None:
                 break
