@@ -85,6 +85,10 @@ thread pool, so bounce copies overlap the I/O and the device sees a few
 requests at once; page-cache reads keep a run of adjacent slots in one call
 (parallel readers would look random to readahead) and spread separate runs
 over the pool.
+In "auto" mode only groups whose slot stride is at least ``DIRECT_MIN_STRIDE``
+(64 KiB) write with O_DIRECT: scattered small pages cost a device round trip
+each under O_DIRECT, while the page cache coalesces them (a metadata-first
+replay of 4 KiB pages ran 1.4x faster buffered).
 ``stats["o_direct"]`` / ``stats["o_direct_reads"]`` say which mode is in use.
 """
 from __future__ import annotations
@@ -117,6 +121,7 @@ GROW_STEP = 64 << 20             # segment growth step (or 1/8 of the group's si
 CHECKPOINT_FLOOR = 1 << 20       # never compact a journal smaller than this
 CHECKPOINT_RATIO = 4             # compact when the journal exceeds this many times its snapshot
 PENDING_FREE_FLUSH = 8192        # journal pending frees once this many have piled up in a group
+DIRECT_MIN_STRIDE = 64 << 10    # "auto": smaller pages go through the page cache (see O_DIRECT above)
 PIECE_BYTES = 8 << 20            # one parallel pwritev/preadv covers at most this much (or one stride)
 MAX_RUN_BYTES = 64 << 20         # one page-cache preadv covers at most this much (or one stride)
 MIN_PIECE_BYTES = 1 << 20        # ... and a batch is not split finer than this across I/O threads
@@ -266,7 +271,7 @@ def _first_difference(old: Any, new: Any, path: str) -> str | None:
 class _Group:
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
                  "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "entries", "pending_free", "forgotten",
-                 "live_bytes", "lock", "broken", "pad")
+                 "live_bytes", "lock", "broken", "pad", "direct")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
         self.index = index
@@ -274,6 +279,7 @@ class _Group:
         self.slots = slots
         self.stride = _round_up(slot_bytes, ALIGN)
         self.max_size = slots * self.stride
+        self.direct = False                 # this group's writes bypass the page cache
         self.seg_path = os.path.join(path, f"group-{index}.seg")
         self.journal_path = os.path.join(path, f"group-{index}.journal")
         self.seg_fd = -1
@@ -465,6 +471,9 @@ class DiskTier:
         self._stats["o_direct_reads"] = self.o_direct_reads
 
         self.groups = [_Group(i, sb, n, self.path) for i, (sb, n) in enumerate(groups)]
+        for g in self.groups:
+            g.direct = self.o_direct and (o_direct == "on" or g.stride >= DIRECT_MIN_STRIDE)
+        self._stats["o_direct_groups"] = [g.index for g in self.groups if g.direct]
         needs_checkpoint: list[_Group] = []
         max_gen = 0
         for g in self.groups:
@@ -536,10 +545,10 @@ class DiskTier:
                 pass
 
     def _open_seg(self, g: _Group) -> None:
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.o_direct else 0)
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if g.direct else 0)
         g.seg_fd = os.open(g.seg_path, flags, 0o644)
         g.size = os.fstat(g.seg_fd).st_size
-        g.read_fd = g.seg_fd if self.o_direct == self.o_direct_reads else os.open(g.seg_path, os.O_RDONLY)
+        g.read_fd = g.seg_fd if g.direct == self.o_direct_reads else os.open(g.seg_path, os.O_RDONLY)
 
     def _recover_group(self, g: _Group) -> tuple[int, bool]:
         """Replay group g's journal; returns (highest generation seen, needs a checkpoint)."""
@@ -1031,7 +1040,7 @@ class DiskTier:
         off = sorted_slots[a] * g.stride
         rows = order[a:b]
         h = xxhash.xxh3_64_intdigest
-        if self.o_direct and not self._direct_ok(arr, rows, g):
+        if g.direct and not self._direct_ok(arr, rows, g):
             bounce = self._bounce_get((b - a) * g.stride)
             try:
                 buf = bounce[1]
@@ -1092,7 +1101,7 @@ class DiskTier:
             if pad is not None:
                 bufs.append(pad)
         got = _preadv_all(g.read_fd, bufs, off)
-        if self.o_direct and not self.o_direct_reads:
+        if g.direct and not self.o_direct_reads:
             # cold pages just promoted: do not keep a second copy in the page cache
             os.posix_fadvise(g.read_fd, off, (b - a) * g.stride, os.POSIX_FADV_DONTNEED)
         t = time.perf_counter()
