@@ -80,6 +80,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 import runtime  # noqa: E402
+from runtime.cli import tune_gc  # noqa: E402
 
 log = logging.getLogger("kvtier.serve")
 
@@ -765,6 +766,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    tune_gc()                      # a long-lived store: see README, "Garbage collection"
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tmp_dir = None

@@ -59,3 +59,13 @@ def test_demo_runs_end_to_end():
     assert rep["corrupt_pages"] == 0 and rep["verified_pages"] > 0
     assert all(rep["hit_rate_by_tier"][t] > 0 for t in ("gpu", "host", "disk"))
     assert len(out["groups"]["gpu"]) == 1
+
+
+def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
+    out = json.loads(kvtier("bench", "--quick", "--json", "--dir", str(tmp_path)).stdout)
+    names = [r["bench"] for r in out["rows"]]
+    for direction in ("gpu->host", "host->gpu", "host->disk", "disk->host"):
+        (row,) = [r for r in out["rows"] if r["bench"].startswith(direction)]
+        assert row["value"] > 0 and row["baseline"] > 0
+        assert abs(row["ratio"] - row["value"] / row["baseline"]) < 0.01
+    assert any(n.startswith("replay") for n in names) and any(n.startswith("loop lag") for n in names)
