@@ -97,6 +97,14 @@ class Sequence:
         if stream is not None:
             self.store._stream_wait(self, stream)
 
+    def prefetch(self) -> None:
+        """Start bringing the pages the next ``acquire`` needs to the GPU in
+        the background, without locking them: call it when a request is
+        queued, and its ``acquire`` later finds the pages there (or waits for
+        the move already under way instead of starting one)."""
+        self._check_open()
+        self.store._prefetch(self)
+
     def page_indices(self, layer_id: int) -> list[int]:
         """GPU slot per block for ``layer_id``'s pools (-1: no GPU page)."""
         lc = self.store._lc_of_layer(layer_id)

@@ -418,6 +418,34 @@ class Store:
         seq.locked = list(pages)
         return pages
 
+    def _prefetch(self, seq: Sequence) -> asyncio.Task | None:
+        """Start promoting the cold pages the next acquire needs, unlocked.
+        A failure only logs: the acquire that follows does the work itself."""
+        self._check()
+        pages = []
+        for b, lc in self._needed(seq):
+            p = seq.pages[b][lc]
+            if p is not None and not p.dead and p.tier != GPU and p.moving is None:
+                pages.append(p)
+        if not pages:
+            return None
+        self._claim(pages, GPU, propagate=False)
+
+        async def promote() -> None:
+            counts = collections.Counter(self.group_of[GPU][p.lc] for p in pages)
+            try:
+                slots = await self._obtain_many(GPU, counts)
+            except BaseException as exc:
+                self._unclaim(pages, None)
+                if not isinstance(exc, (OutOfPagesError, asyncio.CancelledError)):
+                    log.warning("prefetch failed: %r", exc)
+                return
+            try:
+                await self._move_claimed(pages, GPU, slots, handoff=False)
+            except (OSError, KvtierError) as exc:
+                log.warning("prefetch failed: %r", exc)
+        return self._spawn(promote())
+
     async def _fill_holes(self, seq: Sequence, holes: list[tuple[int, int]]) -> None:
         per_group = collections.Counter(self.group_of[GPU][lc] for _, lc in holes)
         slots = await self._obtain_many(GPU, per_group)
@@ -630,12 +658,13 @@ class Store:
         node.children = {}
 
     # -- claims, eviction and moves ------------------------------------------------------------
-    def _claim(self, pages: Seq[Page], to_tier: int) -> None:
+    def _claim(self, pages: Seq[Page], to_tier: int, propagate: bool = True) -> None:
+        """Mark pages as moving; waiters on a promotion get its error when ``propagate``."""
         loop = asyncio.get_running_loop()
         for p in pages:
             assert not p.dead, f"claiming a freed page {p}"
             fut = loop.create_future()
-            fut.to_gpu = to_tier == GPU
+            fut.to_gpu = to_tier == GPU and propagate
             fut.add_done_callback(_consume)
             p.moving = fut
             p.moving_to = to_tier

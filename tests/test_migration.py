@@ -202,3 +202,26 @@ async def test_concurrent_sequences_under_pressure(tmp_path):
         assert all(g["locked"] == 0 and g["held"] == 0 for t in stats["tiers"].values() for g in t["groups"])
         assert stats["moves"]["gpu->host"]["pages"] > 0 and stats["moves"]["host->disk"]["pages"] > 0
     assert verified > 100
+
+
+async def test_prefetch_brings_pages_back_before_acquire():
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await _push_to_host(store, toks(1, 4))
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        seq.prefetch()
+        await store.drain()
+        assert store.stats()["moves"]["host->gpu"]["pages"] == 4
+        assert not any(p.locks for row in seq.pages for p in row)      # prefetched pages stay unlocked
+        before = store.stats()["moves"]
+        await seq.acquire()                                            # nothing left to move
+        assert store.stats()["moves"] == before
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.close()
+        other = await store.open_sequence(tokens=toks(99, 4))         # a prefetch racing an acquire
+        other.prefetch()
+        await other.acquire()
+        assert store.stats()["moves"]["host->gpu"]["pages"] == 8
+        await other.close()
+        await store.drain()
+        store.check_consistency()
