@@ -28,10 +28,11 @@ from tiers.slots import SlotAllocator
 
 from .eviction import EvictionQueue
 from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
-from .migration import ANONYMOUS_KEY, MigrationEngine
+from .migration import MigrationEngine
 from .pages import DISK, GPU, TIER_NAMES, Block, Page
 from .readiness import wait_events
 from .reclaim import Reclaimer
+from .recovery import index_recovered, persist
 from .sequence import Sequence
 
 log = logging.getLogger("kvtier")
@@ -100,7 +101,7 @@ class Store:
         await loop.run_in_executor(None, self._build)
         self.started = True
         if self.disk is not None:
-            self._index_recovered()
+            index_recovered(self)
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
@@ -145,7 +146,7 @@ class Store:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self.started and self.disk is not None and self.cfg.persist_on_close:
             try:
-                await self._persist()
+                await persist(self)
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
         self.closed = True
@@ -846,94 +847,6 @@ class Store:
                     self._drop(p)
                 else:
                     self._free_page(p)
-
-    # -- persistence ---------------------------------------------------------------------------
-    async def _persist(self) -> None:
-        """Spill published pages that are not on disk, most recently used
-        first, evicting colder disk pages to make room, so that a restart
-        finds the hottest prefixes whole."""
-        pending = [p for node in self.nodes.values() for p in node.pages
-                   if p is not None and not p.dead and p.published and p.tier != DISK and p.moving is None
-                   and not p.locks]
-        pending.sort(key=lambda p: -p.stamp)
-        by_group: dict[int, list[Page]] = collections.defaultdict(list)
-        for p in pending:
-            g = self.group_of[DISK][p.lc]
-            if len(by_group[g]) < self.allocs[DISK][g].capacity:
-                by_group[g].append(p)
-        for g, pages in by_group.items():
-            for i in range(0, len(pages), 64):
-                chunk = [p for p in pages[i:i + 64] if not p.dead and p.moving is None and p.tier != DISK]
-                if not chunk:
-                    continue
-                self._claim(chunk, DISK)        # before evicting: a drop must not free them under us
-                try:
-                    slots = await self._obtain(DISK, g, len(chunk))
-                except OutOfPagesError as exc:
-                    self._unclaim(chunk, exc)
-                    break
-                try:
-                    await self._move_claimed(chunk, DISK, {g: slots}, handoff=False)
-                except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on
-                    log.warning("persisting %d pages at close failed: %s", len(chunk), exc)
-        await asyncio.get_running_loop().run_in_executor(None, self.disk.flush)
-
-    def _index_recovered(self) -> None:
-        """Rebuild the index from the pages the disk tier recovered."""
-        disk = self.disk
-        allocs = self.allocs[DISK]
-        taken = collections.defaultdict(set)
-        for rp in sorted(disk.recovered, key=lambda r: r.record.depth):
-            rec = rp.record
-            if rec.key in (None, ANONYMOUS_KEY):        # a page no index knew: nothing to recover
-                disk.free(rp.group, [rp.slot])
-                continue
-            ok = (0 <= rec.life_cycle < len(self.lcs)
-                  and self.group_of[DISK][rec.life_cycle] == rp.group and 0 <= rp.slot < allocs[rp.group].capacity)
-            parent = self.nodes.get(rec.parent) if rec.parent is not None else None
-            if ok and rec.depth > 0 and (parent is None or parent.depth != rec.depth - 1):
-                ok = False
-            if ok and rec.depth == 0 and rec.parent is not None:
-                ok = False
-            node = self.nodes.get(rec.key) if ok else None
-            if ok and node is not None and (node.parent is not parent or node.pages[rec.life_cycle] is not None):
-                ok = False
-            if not ok:
-                self.discarded += 1
-                disk.free(rp.group, [rp.slot])
-                continue
-            if node is None:
-                node = Block(rec.key, parent, rec.depth, len(self.lcs))
-                node.indexed = True
-                self.nodes[rec.key] = node
-                if parent is not None:
-                    parent.children[rec.key] = node
-            p = Page(node, rec.life_cycle, DISK, rp.group, rp.slot, rec.priority)
-            p.published = True
-            node.pages[rec.life_cycle] = p
-            self.owners[DISK][rp.group][rp.slot] = p
-            taken[rp.group].add(rp.slot)
-        for g, alloc in enumerate(allocs):
-            all_slots = alloc.allocate(alloc.capacity)
-            # highest first, so the lowest free slots are handed out first and the segment stays compact
-            alloc.release(sorted((s for s in all_slots if s not in taken[g]), reverse=True))
-        # blocks missing a prefix-critical page can never match: drop them with their subtrees
-        before = sum(1 for o in self.owners[DISK] for p in o if p is not None)
-        for node in sorted(self.nodes.values(), key=lambda n: n.depth):
-            if node.indexed and any(lc.is_prefix_critical(node.depth, self.tpb) and node.pages[lc.index] is None
-                                    for lc in self.lcs):
-                self._drop_subtree(node)
-        self.orphaned = before - sum(1 for o in self.owners[DISK] for p in o if p is not None)
-        if self.orphaned:
-            log.warning("disk tier: %d recovered pages are unreachable (an ancestor's page was not on disk) "
-                        "and were freed", self.orphaned)
-        for g, owners in enumerate(self.owners[DISK]):
-            for p in owners:
-                if p is not None:
-                    self.clock += 1
-                    p.stamp = self.clock
-                    self._requeue(p)
-        self.recovered = sum(1 for o in self.owners[DISK] for p in o if p is not None)
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:
