@@ -53,22 +53,35 @@ class PageWriter:
             for _, off, size, view in views:
                 view.index_copy_(0, idx.to(view.device), data[:, off:off + size].to(view.device))
 
-    def verify(self, seq, blocks: Sequence[int]) -> tuple[int, int]:
-        """(pages verified, pages wrong) among ``blocks`` that are on the GPU."""
-        ok = bad = 0
+    def plan(self, seq, blocks: Sequence[int]) -> list[tuple[int, list[int], list[int]]]:
+        """On the loop: per life cycle, (seeds, slots) of the pages among
+        ``blocks`` that this sequence has locked on the GPU. Only locked
+        pages hold still while a worker thread reads them."""
+        out = []
+        locked = {id(p) for p in seq.locked}
         for lc, views in enumerate(self.views):
-            slots = seq.page_indices(views[0][0])
             skip = set(seq.recompute_blocks(views[0][0]))
-            sel = [b for b in blocks if slots[b] >= 0 and b not in skip]
-            if not sel:
-                continue
-            expected = pattern([key_seed(seq.keys[b], lc) for b in sel], self.store.lcs[lc].page_bytes)
-            idx = torch.as_tensor([slots[b] for b in sel], dtype=torch.long)
+            seeds, slots = [], []
+            for b in blocks:
+                p = seq.pages[b][lc]
+                if p is not None and id(p) in locked and p.tier == 0 and b not in skip:
+                    seeds.append(key_seed(seq.keys[b], lc))
+                    slots.append(p.slot)
+            if slots:
+                out.append((lc, seeds, slots))
+        return out
+
+    def check(self, plan: list[tuple[int, list[int], list[int]]]) -> tuple[int, int]:
+        """(pages verified, pages wrong); runs on a worker thread."""
+        ok = bad = 0
+        for lc, seeds, slots in plan:
+            views = self.views[lc]
+            expected = pattern(seeds, self.store.lcs[lc].page_bytes)
+            idx = torch.as_tensor(slots, dtype=torch.long)
             actual = torch.cat([view.index_select(0, idx.to(view.device)).cpu() for _, _, _, view in views], dim=1)
-            good = matches(actual, expected, self.lossless[lc])
-            n_good = int(good.sum())
+            n_good = int(matches(actual, expected, self.lossless[lc]).sum())
             ok += n_good
-            bad += len(sel) - n_good
+            bad += len(slots) - n_good
         return ok, bad
 
 
@@ -143,7 +156,7 @@ async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency:
         try:
             await seq.acquire()
             if writer is not None and verify and seq.matched_blocks:
-                ok, bad = await asyncio.to_thread(writer.verify, seq, range(seq.matched_blocks))
+                ok, bad = await asyncio.to_thread(writer.check, writer.plan(seq, range(seq.matched_blocks)))
                 res.verified_pages += ok
                 res.corrupt_pages += bad
             start = seq.num_blocks

@@ -87,7 +87,7 @@ class _Run:
                 await seq.close()
 
     async def check(self, writer: PageWriter, seq) -> None:
-        ok, bad = await asyncio.to_thread(writer.verify, seq, range(seq.committed))
+        ok, bad = await asyncio.to_thread(writer.check, writer.plan(seq, range(seq.committed)))
         self.counts["verified_pages"] += ok
         self.counts["corrupt"] += bad
 
