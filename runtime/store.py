@@ -25,6 +25,7 @@ from tiers.grouping import Layout
 from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
 from tiers.slots import SlotAllocator
+from tiers.streams import CudaEvent
 
 from .eviction import EvictionQueue
 from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
@@ -490,7 +491,7 @@ class Store:
     def _stream_wait(self, seq: Sequence, stream) -> None:
         for b, lc in self._needed(seq):
             p = seq.pages[b][lc]
-            if p is not None and p.ready is not None and hasattr(p.ready, "_event"):
+            if p is not None and isinstance(p.ready, CudaEvent):
                 stream.wait_event(p.ready._event)
 
     # -- commit / close ------------------------------------------------------------------------
@@ -914,9 +915,6 @@ def _consume(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def stream_event(stream):
+def stream_event(stream) -> CudaEvent | None:
     """An event recorded on a caller's CUDA stream (None for no stream)."""
-    if stream is None:
-        return None
-    from tiers.streams import CudaEvent
-    return CudaEvent.on(stream)
+    return None if stream is None else CudaEvent.on(stream)

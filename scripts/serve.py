@@ -401,6 +401,13 @@ class ServerState:
             log.warning("closing sequence %s: %s", sess.id, exc)
 
     # -- helpers -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def locked(self, request: web.Request):
+        """The request's session, held for this request alone (and still open once the lock is ours)."""
+        sess = self.session(request)
+        async with sess.lock:
+            yield self.session(request)
+
     def session(self, request: web.Request) -> Session:
         sess = self.sessions.get(request.match_info["id"])
         if sess is None or sess.closed:
@@ -542,9 +549,7 @@ async def extend(request: web.Request) -> web.Response:
     st = _state(request)
     body = await read_body(request)
     n = _num_blocks(body)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         async with st.pages_on_gpu(sess):
             await sess.seq.extend(n)
             st.fill(sess)
@@ -556,9 +561,7 @@ async def commit(request: web.Request) -> web.Response:
     st = _state(request)
     body = await read_body(request)
     n = _num_blocks(body)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         if st.pending(sess, n) and n <= sess.seq.num_blocks and n <= len(sess.seq.keys):
             if sess.acquired:
                 st.fill(sess)
@@ -573,9 +576,7 @@ async def append(request: web.Request) -> web.Response:
     st = _state(request)
     body = await read_body(request)
     tokens, keys = parse_tokens(body)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         sess.seq.append(tokens=tokens, block_keys=keys)
         if sess.acquired:
             st.fill(sess)
@@ -585,9 +586,7 @@ async def append(request: web.Request) -> web.Response:
 async def acquire(request: web.Request) -> web.Response:
     st = _state(request)
     await read_body(request, required=False)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         if sess.acquired:
             raise runtime.UsageError("sequence is already acquired")
         await st.acquire(sess)
@@ -597,18 +596,14 @@ async def acquire(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     st = _state(request)
     await read_body(request, required=False)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         await st.release(sess)
         return web.json_response({"released": True})
 
 
 async def verify(request: web.Request) -> web.Response:
     st = _state(request)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         async with st.pages_on_gpu(sess):
             out = st.check(sess)
         return web.json_response(out)
@@ -616,9 +611,7 @@ async def verify(request: web.Request) -> web.Response:
 
 async def close_sequence(request: web.Request) -> web.Response:
     st = _state(request)
-    sess = st.session(request)
-    async with sess.lock:
-        st.session(request)
+    async with st.locked(request) as sess:
         await st._close_session(sess)
         return web.json_response({"closed": True})
 
