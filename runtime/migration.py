@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from tiers.codecs import Codec, get_codec
@@ -33,6 +34,8 @@ except ImportError:   # pragma: no cover - tiers.disk lands with the disk tier
     PageRecord = None
 
 
+FEW_RUNS = 4             # above this many runs, host rows move by fancy indexing, not per run
+SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 ANONYMOUS_KEY = b""      # disk record key of a page that must not be recovered
 
 
@@ -65,27 +68,38 @@ def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device) -> tor
 
 
 def scatter(dst: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
-    """``dst[slots] = rows``. On the GPU one index_copy_ kernel; elsewhere one
-    slice copy per run of consecutive slots (CPU index_copy_ is several times
-    slower than memcpy)."""
+    """``dst[slots] = rows``. On the GPU one index_copy_ kernel; on the host
+    one numpy fancy assignment when the slots are scattered (memcpy speed,
+    where torch's CPU index_copy_ runs several times slower), else one slice
+    copy per run."""
     if dst.is_cuda and rows.is_cuda:
         dst.index_copy_(0, torch.as_tensor(slots, dtype=torch.long, device=dst.device), rows)
         return
-    for off, first, n in _runs(slots):
+    runs = _runs(slots)
+    if len(runs) > FEW_RUNS and not dst.is_cuda and not rows.is_cuda:
+        dst.numpy()[np.asarray(slots)] = rows.numpy()
+        return
+    for off, first, n in runs:
         dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
 
 
 def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int]) -> None:
     """``dst[dst_slots] = src[src_slots]`` with no staging: one copy (one
-    cudaMemcpyAsync across devices) per run that is consecutive on both sides."""
-    i, n = 0, len(src_slots)
+    cudaMemcpyAsync across devices) per run that is consecutive on both
+    sides; between host tensors with scattered slots, one numpy gather-scatter
+    instead of a Python loop of small copies."""
+    i, n, runs = 0, len(src_slots), []
     while i < n:
         j = i + 1
         while j < n and src_slots[j] == src_slots[j - 1] + 1 and dst_slots[j] == dst_slots[j - 1] + 1:
             j += 1
-        s, d = src_slots[i], dst_slots[i]
-        dst[d:d + j - i].copy_(src[s:s + j - i], non_blocking=True)
+        runs.append((src_slots[i], dst_slots[i], j - i))
         i = j
+    if len(runs) > FEW_RUNS and not src.is_cuda and not dst.is_cuda:
+        dst.numpy()[np.asarray(dst_slots)] = src.numpy()[np.asarray(src_slots)]
+        return
+    for s, d, k in runs:
+        dst[d:d + k].copy_(src[s:s + k], non_blocking=True)
 
 
 class MigrationEngine:
@@ -182,7 +196,7 @@ class MigrationEngine:
             else:
                 records = self._records(pages)
                 ev = await self._stage(busy, self.io_write,
-                                       lambda: self._spill_runs(src, src_slots, dst_group, dst_slots, records), deps)
+                                       lambda: self._spill(src, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
             staging = self.device.host_empty(len(pages), width, zero=False)
@@ -229,17 +243,25 @@ class MigrationEngine:
             busy[0] += time.perf_counter() - t_issue
         return ev
 
-    def _spill_runs(self, src: torch.Tensor, src_slots: list[int], group: int, dst_slots: Sequence[int],
+    def _spill(self, src: torch.Tensor, src_slots: list[int], group: int, dst_slots: Sequence[int],
                     records: list) -> None:
-        """Host rows to disk with no staging copy: one write per run of
-        consecutive source slots (the slab rows are the buffer). If a run
-        fails, the runs already written are freed again, so the batch fails
+        """Host rows to disk, one disk write (one journal frame, one barrier)
+        per chunk of up to SPILL_CHUNK_BYTES: a chunk of consecutive source
+        slots goes straight from the slab, a scattered one is gathered first
+        (a memcpy is far cheaper than a journal append per run). If a chunk
+        fails, the chunks already written are freed again, so the batch fails
         as a whole and the disk tier holds none of it."""
+        per = max(1, SPILL_CHUNK_BYTES // max(1, src.shape[1]))
         done: list[int] = []
         try:
-            for off, first, n in _runs(src_slots):
-                self.disk.write(group, list(dst_slots[off:off + n]), src[first:first + n], records[off:off + n])
-                done.extend(dst_slots[off:off + n])
+            for a in range(0, len(src_slots), per):
+                part = src_slots[a:a + per]
+                if part[-1] - part[0] == len(part) - 1:        # ascending, so one run
+                    rows = src[part[0]:part[0] + len(part)]
+                else:
+                    rows = gather(src, part, src.device)
+                self.disk.write(group, list(dst_slots[a:a + per]), rows, records[a:a + per])
+                done.extend(dst_slots[a:a + per])
         except BaseException:
             if done:
                 self.disk.free(group, done)

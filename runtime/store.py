@@ -605,7 +605,8 @@ class Store:
             self._disk_free(group, [slot])
 
     def _disk_free(self, group: int, slots: list[int]) -> None:
-        self.engine.io_write.submit(lambda: self.disk.free(group, slots))
+        """Forget disk slots, in order with the writes that may reuse them."""
+        self.engine.io_write.submit(lambda: self.disk.free(group, slots), event=False)
 
     def _give_back(self, tier: int, group: int, slots: Seq[int]) -> None:
         alloc = self.allocs[tier][group]
@@ -661,25 +662,24 @@ class Store:
 
     # -- claims, eviction and moves ------------------------------------------------------------
     def _claim(self, pages: Seq[Page], to_tier: int, propagate: bool = True) -> None:
-        """Mark pages as moving; waiters on a promotion get its error when ``propagate``."""
-        loop = asyncio.get_running_loop()
+        """Mark pages as moving, all under one future (one move decides them
+        together); waiters on a promotion get its error when ``propagate``."""
+        fut = asyncio.get_running_loop().create_future()
+        fut.to_gpu = to_tier == GPU and propagate
         for p in pages:
             assert not p.dead, f"claiming a freed page {p}"
-            fut = loop.create_future()
-            fut.to_gpu = to_tier == GPU and propagate
-            fut.add_done_callback(_consume)
             p.moving = fut
             p.moving_to = to_tier
-            self._unqueue(p)
+            if p.qentry is not None:
+                self.queues[p.tier][p.group].remove(p)
 
     def _unclaim(self, pages: Seq[Page], exc: BaseException | None) -> None:
+        fut = None
         for p in pages:
-            fut, p.moving, p.moving_to = p.moving, None, -1
-            if fut is not None and not fut.done():
-                if exc is None:
-                    fut.set_result(None)
-                else:
-                    fut.set_exception(exc)
+            if p.moving is not fut:
+                fut = p.moving
+                _settle(fut, exc)
+            p.moving, p.moving_to = None, -1
             if p.dead:
                 self._release_slot(p.tier, p.group, p.slot, p.ready)
             else:
@@ -772,13 +772,13 @@ class Store:
                 return await self._move_claimed(victims, nxt, slots, handoff=True)
         freed = []
         for v in sorted(victims, key=lambda v: -v.block.depth):
-            fut, v.moving, v.moving_to = v.moving, None, -1
-            fut.set_result(None)
+            _settle(v.moving, None)
+            v.moving, v.moving_to = None, -1
             self.owners[v.tier][v.group][v.slot] = None
-            if v.tier == DISK:
-                self._disk_free(v.group, [v.slot])
             freed.append(v.slot)
             self._drop(v, release_slot=False)
+        if tier == DISK:
+            self._disk_free(victims[0].group, freed)
         return freed
 
     async def _move_claimed(self, pages: list[Page], dst_tier: int, slots: dict[int, list[int]],
@@ -823,18 +823,18 @@ class Store:
             if isinstance(exc, CorruptPageError):
                 self._discard_corrupt(batch, set(getattr(exc, "slots", ())))
             raise
-        freed = []
+        src_tier, src_group = batch[0].tier, batch[0].group
+        src_owners, dst_owners = self.owners[src_tier][src_group], self.owners[dst_tier][g]
+        freed = [p.slot for p in batch]
         for p, s in zip(batch, dst_slots):
-            src = (p.tier, p.group, p.slot)
-            self.owners[src[0]][src[1]][src[2]] = None
-            if handoff:
-                freed.append(src[2])
-                if src[0] == DISK:
-                    self._disk_free(src[1], [src[2]])
-            else:
-                self._release_slot(*src, ev)
+            src_owners[p.slot] = None
             p.tier, p.group, p.slot, p.ready = dst_tier, g, s, ev
-            self.owners[dst_tier][g][s] = p
+            dst_owners[s] = p
+        if src_tier == DISK:
+            self._disk_free(src_group, freed)
+        if not handoff:
+            self.allocs[src_tier][src_group].release(freed, ev)
+            freed = []
         self._unclaim(batch, None)
         return freed
 
@@ -910,8 +910,15 @@ class Store:
                     assert self.owners[p.tier][p.group][p.slot] is p, f"{p} does not own its slot"
 
 
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
+def _settle(fut: asyncio.Future | None, exc: BaseException | None) -> None:
+    """Resolve a claim's future once. An error is marked retrieved here: the
+    failed operation raises it itself, and waiters still see it."""
+    if fut is None or fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
         fut.exception()
 
 

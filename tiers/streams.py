@@ -116,16 +116,19 @@ class HostStream:
                 fn()
             except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
                 if ev is None:
+                    _log.warning("%s: background job failed: %r", self.name, exc)
                     continue
                 ev.set(exc)
             else:
                 if ev is not None:
                     ev.set()
 
-    def submit(self, fn: Callable[[], None]) -> HostEvent:
+    def submit(self, fn: Callable[[], None], event: bool = True) -> HostEvent | None:
+        """Queue ``fn``; its completion event, or None with ``event=False``
+        for fire-and-forget work (an error then only logs)."""
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
-        ev = HostEvent()
+        ev = HostEvent() if event else None
         self._queue.put((fn, ev))
         return ev
 
