@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import operator
 from typing import Any, Awaitable, Callable, Sequence as Seq
 
 from tiers.config import StoreConfig
@@ -37,6 +38,7 @@ from .recovery import index_recovered, persist
 from .sequence import Sequence
 
 log = logging.getLogger("kvtier")
+_STAMP = operator.attrgetter("stamp")
 
 
 class Store:
@@ -333,13 +335,15 @@ class Store:
                 p.locks = locks
                 if locks:
                     seq.locked.append(p)
-                else:
-                    self._requeue(p)
                 block.pages[lc] = p
                 row.append(p)
             seq.blocks.append(block)
             seq.pages.append(row)
-        self._touch(p for row in reversed(seq.pages[start:]) for p in row)
+        new = [p for row in reversed(seq.pages[start:]) for p in row]
+        self._touch(new)                    # deepest first, then queued in that (stamp) order
+        if not locks:
+            for p in new:
+                self._requeue(p)
         return fences
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
@@ -573,10 +577,12 @@ class Store:
 
     def _touch(self, pages) -> None:
         """Stamp pages in the order given (callers pass deepest first)."""
-        clock = self.clock
+        clock, queues = self.clock, self.queues
         for p in pages:
             clock += 1
-            p.stamp = clock          # a queued entry is re-sorted lazily when it reaches the top
+            p.stamp = clock
+            if p.qentry is not None:
+                queues[p.tier][p.group].touch(p)
         self.clock = clock
 
     def _evictable(self, p: Page) -> bool:
@@ -675,7 +681,7 @@ class Store:
 
     def _unclaim(self, pages: Seq[Page], exc: BaseException | None) -> None:
         fut = None
-        for p in pages:
+        for p in sorted(pages, key=_STAMP):      # requeued oldest first: the queue's cheap path
             if p.moving is not fut:
                 fut = p.moving
                 _settle(fut, exc)
@@ -735,12 +741,7 @@ class Store:
         """Claim ``need`` victims (or raise, nothing claimed), plus up to
         ``extra`` more if the queue has them."""
         q = self.queues[tier][group]
-        victims = []
-        while len(victims) < need + extra:
-            p = q.pop()
-            if p is None:
-                break
-            victims.append(p)
+        victims = q.pop_many(need + extra)
         if len(victims) < need:
             for p in victims:
                 q.push(p)
