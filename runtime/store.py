@@ -212,6 +212,7 @@ class Store:
         seq.blocks = list(path)
         by_tier = collections.Counter()
         held = []
+        last = self.last_tier
         for node in path:
             row = [p if p is not None and not p.dead and p.published else None for p in node.pages]
             seq.pages.append(row)
@@ -219,7 +220,8 @@ class Store:
             for p in row:
                 if p is not None:
                     p.holders += 1
-                    self._requeue(p)        # a held page leaves the last tier's drop queue
+                    if p.tier == last:
+                        self._requeue(p)    # a held page leaves the last tier's drop queue
                     held.append(p)
                     coldest = max(coldest, p.tier)
             if coldest >= 0:
@@ -485,7 +487,7 @@ class Store:
         seq.acquired = False
         ev = stream_event(stream)
         locked, seq.locked = seq.locked, []
-        for p in locked:
+        for p in sorted(locked, key=_STAMP):     # requeued oldest first: the queue's cheap path
             if ev is not None and p.tier == GPU:
                 p.ready = ev
             p.locks -= 1
@@ -527,7 +529,8 @@ class Store:
                         block.pages[p.lc] = None        # the sequence keeps it; the index never sees it
                     else:
                         p.published = True
-                        self._requeue(p)
+                        if not p.locks:         # a locked page stays out of the queues either way
+                            self._requeue(p)
             else:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i)
@@ -557,14 +560,15 @@ class Store:
     def _close_sequence(self, seq: Sequence) -> None:
         self._release(seq)
         seq.closed = True
-        for row in seq.pages:
+        last = self.last_tier
+        for row in reversed(seq.pages):         # deepest (oldest stamp) first
             for p in row:
                 if p is None or p.dead:
                     continue
                 p.holders -= 1
                 if not p.published:
                     self._free_page(p)
-                else:
+                elif p.tier == last:            # holders only gate the last tier's queue
                     self._requeue(p)
         seq.pages = []
         seq.blocks = []
@@ -590,9 +594,11 @@ class Store:
                 and (p.tier != self.last_tier or (p.published and not p.holders)))
 
     def _requeue(self, p: Page) -> None:
-        """Make queue membership match evictability. A queued page stays
-        where it is: its entry is re-sorted lazily by stamp and priority."""
-        evictable = self._evictable(p)
+        """Make queue membership match evictability (``_evictable``, inlined:
+        this runs several times per page per request). A queued page keeps
+        its place, which its stamp decides."""
+        evictable = (not p.locks and p.moving is None and not p.dead
+                     and (p.tier != self.last_tier or (p.published and not p.holders)))
         if p.qentry is not None:
             if evictable:
                 return

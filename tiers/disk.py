@@ -104,7 +104,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -125,6 +125,7 @@ DIRECT_MIN_STRIDE = 64 << 10    # "auto": smaller pages go through the page cach
 PIECE_BYTES = 8 << 20            # one parallel pwritev/preadv covers at most this much (or one stride)
 MAX_RUN_BYTES = 64 << 20         # one page-cache preadv covers at most this much (or one stride)
 MIN_PIECE_BYTES = 1 << 20        # ... and a batch is not split finer than this across I/O threads
+PARALLEL_MIN_BYTES = 8 << 20     # page-cache batches smaller than this do their I/O on one thread
 IO_THREADS = 4                   # parallel pieces of one batch (queue depth, and bounce copies overlap I/O)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -137,8 +138,8 @@ _EXT_BIGINT = 1
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)     # the filesystem (or a limit) takes no more data
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PageRecord:
+class PageRecord(NamedTuple):
+    """What the journal keeps about a page (a tuple: one is built per page moved to disk)."""
     key: int | bytes                  # block key (msgpack-serialisable)
     parent: int | bytes | None        # parent block key, None for the first block
     depth: int                        # block index in the chain (0 = first block)
@@ -925,12 +926,13 @@ class DiskTier:
             if len(self._bounces) < 2 * IO_THREADS:
                 self._bounces.append(b)
 
-    def _run_pieces(self, fn: Callable[[int, int], Any], pieces: list[tuple[int, int]]) -> list:
+    def _run_pieces(self, fn: Callable[[int, int], Any], pieces: list[tuple[int, int]], parallel: bool) -> list:
         """fn(a, b) for every piece, spread over at most IO_THREADS jobs of about equal size: the first
         job on this thread, the rest on the I/O pool. All finish before this returns; the first OSError
-        is raised. Returns the results in piece order."""
-        if len(pieces) == 1:
-            return [fn(*pieces[0])]
+        is raised. Returns the results in piece order. Without ``parallel`` (small page-cache batches:
+        their I/O is a memcpy, and handing it to other threads costs more than it overlaps) all run here."""
+        if len(pieces) == 1 or not parallel:
+            return [fn(a, b) for a, b in pieces]
         jobs: list[list[tuple[int, int]]] = [[]]
         total = sum(b - a for a, b in pieces)
         share, acc = -(-total // IO_THREADS), 0
@@ -1012,7 +1014,7 @@ class DiskTier:
                 self._fault("write")
                 pcs = g.pieces(sorted_slots)
                 tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, order, sorted_slots, csums, a, b),
-                                           pcs))
+                                           pcs, g.direct or n * g.stride >= PARALLEL_MIN_BYTES))
                 if self.fsync:
                     os.fdatasync(g.seg_fd)
             except OSError as e:
@@ -1125,7 +1127,7 @@ class DiskTier:
             self._fault("read")
             pcs = g.pieces(sorted_slots, split=self.o_direct_reads)
             for sh, bd, t in self._run_pieces(lambda a, b: self._read_piece(g, out, order, sorted_slots, a, b),
-                                              pcs):
+                                              pcs, self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES):
                 short += [slots[i] for i in sh]
                 bad += [slots[i] for i in bd]
                 tck += t

@@ -19,7 +19,7 @@ class SlotAllocator:
         if capacity < 0:
             raise UsageError(f"capacity must not be negative, got {capacity}")
         self.capacity = capacity
-        self._ready: deque[int] = deque(range(capacity - 1, -1, -1))   # pop() hands out slot 0 first
+        self._ready: list[int] = list(range(capacity - 1, -1, -1))   # a stack: slot 0 goes first
         self._fenced: deque[int] = deque()
         self._is_free = bytearray(b"\x01" * capacity)
         self.fences: list[Event | None] = [None] * capacity
@@ -48,30 +48,40 @@ class SlotAllocator:
             raise UsageError(f"cannot allocate {n} slots")
         if n > self.free:
             return None
-        if n > len(self._ready) and self._fenced:
+        ready = self._ready
+        if n > len(ready) and self._fenced:
             self._refresh()
-        out = []
-        for _ in range(n):
-            s = self._ready.pop() if self._ready else self._fenced.popleft()
-            self._is_free[s] = 0
-            out.append(s)
+        k = min(n, len(ready))
+        out = ready[len(ready) - k:]
+        del ready[len(ready) - k:]
+        out.reverse()                       # the order of repeated pops: lowest slot first when fresh
+        for _ in range(n - k):
+            out.append(self._fenced.popleft())
+        is_free = self._is_free
+        for s in out:
+            is_free[s] = 0
         return out
 
     def release(self, slots: list[int], fence: Event | None = None) -> None:
         """Give slots back; ``fence`` marks the last copy that touched them."""
-        seen: set[int] = set()
+        is_free, cap = self._is_free, self.capacity
         for s in slots:
-            if not 0 <= s < self.capacity or self._is_free[s] or s in seen:
+            if not 0 <= s < cap or is_free[s]:
                 raise UsageError(f"slot {s} released twice or never allocated")
-            seen.add(s)
-        for s in slots:
-            self._is_free[s] = 1
-            if fence is None or fence.query():
-                self.fences[s] = None
-                self._ready.append(s)
-            else:
-                self.fences[s] = fence
-                self._fenced.append(s)
+        if len(slots) > 1 and len(set(slots)) != len(slots):
+            dup = next(s for i, s in enumerate(slots) if s in slots[:i])
+            raise UsageError(f"slot {dup} released twice or never allocated")
+        fences = self.fences
+        if fence is None or fence.query():
+            for s in slots:
+                is_free[s] = 1
+                fences[s] = None
+            self._ready.extend(slots)
+        else:
+            for s in slots:
+                is_free[s] = 1
+                fences[s] = fence
+            self._fenced.extend(slots)
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
