@@ -502,6 +502,7 @@ class Store:
 
     # -- commit / close ------------------------------------------------------------------------
     def _commit(self, seq: Sequence, n: int) -> None:
+        start = seq.committed
         for i in range(n):
             block = seq.blocks[i]
             row = seq.pages[i]
@@ -534,8 +535,9 @@ class Store:
             else:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i)
-            seq.recompute = {(b, lc) for b, lc in seq.recompute if b != i}
             seq.committed = max(seq.committed, i + 1)
+        if seq.recompute and seq.committed > start:     # the newly committed blocks have their data now
+            seq.recompute = {(b, lc) for b, lc in seq.recompute if not start <= b < seq.committed}
         self._touch(p for row in reversed(seq.pages[:n]) for p in row if p is not None)
 
     def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int) -> None:
