@@ -1,12 +1,16 @@
 """Regression tests for bugs found in review: each failed before its fix."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
+import torch
 
 from runtime import LayerSpec, ReusePolicy, Store, TierIOError
-from runtime.pages import GPU, HOST
+from runtime.pages import DISK, GPU, HOST
 
-from helpers import config, fill, toks, two_life_cycles, write_blocks
+from helpers import config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
 
 
 async def test_held_pages_in_the_last_tier_are_never_dropped(tmp_path):
@@ -117,3 +121,41 @@ async def test_commit_after_the_shared_prefix_was_dropped_does_not_index_orphans
         await c.close()
         await store.drain()
         store.check_consistency()
+
+
+async def test_a_claim_split_into_batches_completes_page_by_page(tmp_path):
+    """Host and disk pages promoted by one acquire move in two batches. A page
+    still on disk must read as moving until its own batch lands, though the
+    host batch finished (a shared future made waiters see it done early)."""
+    store = await Store.open(config(gpu=8, host=4, disk=32, disk_dir=tmp_path))
+    try:
+        a = toks(1, 8)
+        await fill(store, a)
+        await fill(store, toks(2, 4))            # A's deeper half goes to host ...
+        await fill(store, toks(3, 4))            # ... then its first half, pushing the deeper half to disk
+        await store.drain()
+        seq = await store.open_sequence(tokens=a)
+        pages = [row[0] for row in seq.pages]
+        tiers = {p.tier for p in pages}
+        assert tiers == {HOST, DISK}, tiers
+        read = store.disk.read
+
+        def slow_read(*args):
+            time.sleep(0.3)
+            return read(*args)
+        store.disk.read = slow_read
+        task = asyncio.ensure_future(seq.acquire())
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if any(p.tier == GPU for p in pages):
+                break
+        still_on_disk = [p for p in pages if p.tier == DISK]
+        assert any(p.tier == GPU for p in pages) and still_on_disk
+        assert all(p.moving is not None and not p.moving.done() for p in still_on_disk)
+        await task
+        assert all(p.tier == GPU for p in pages)
+        for b in range(8):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.close()
+    finally:
+        await store.close()
