@@ -224,7 +224,7 @@ class MigrationEngine:
                      deps: Sequence[Event | None]) -> Event:
         """Submit ``job`` after ``deps``; await it. ``busy[0]`` accumulates its
         run time (on CUDA, from issue to completion)."""
-        pending = [e for e in deps if e is not None and not e.query()]
+        pending = [e for e in {id(e): e for e in deps if e is not None}.values() if not e.query()]
         await wait_events(e for e in pending if not stream.can_wait(e))
         for e in pending:
             if stream.can_wait(e):

@@ -826,6 +826,9 @@ class Store:
 
     async def _run_batches(self, batches: dict[tuple[int, int, int], list[Page]], dst_tier: int,
                            slots: dict[int, list[int]], handoff: bool, src_tier: int, src_group: int) -> list[int]:
+        if len(batches) == 1:              # the common case: no task, no gather
+            (_, _, g), batch = next(iter(batches.items()))
+            return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff)
         jobs = []
         for (_, _, g), batch in batches.items():
             mine = sorted(slots[g][:len(batch)])
