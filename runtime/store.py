@@ -503,6 +503,14 @@ class Store:
     # -- commit / close ------------------------------------------------------------------------
     def _commit(self, seq: Sequence, n: int) -> None:
         start = seq.committed
+        try:
+            self._commit_blocks(seq, n)
+        finally:
+            if seq.recompute and seq.committed > start:     # the newly committed blocks have their data now
+                seq.recompute = {(b, lc) for b, lc in seq.recompute if not start <= b < seq.committed}
+        self._touch(p for row in reversed(seq.pages[:n]) for p in row if p is not None)
+
+    def _commit_blocks(self, seq: Sequence, n: int) -> None:
         for i in range(n):
             block = seq.blocks[i]
             row = seq.pages[i]
@@ -536,9 +544,6 @@ class Store:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i)
             seq.committed = max(seq.committed, i + 1)
-        if seq.recompute and seq.committed > start:     # the newly committed blocks have their data now
-            seq.recompute = {(b, lc) for b, lc in seq.recompute if not start <= b < seq.committed}
-        self._touch(p for row in reversed(seq.pages[:n]) for p in row if p is not None)
 
     def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int) -> None:
         """Publish ``row``'s pages into ``node`` where it has none (or only an idle colder copy)."""
@@ -676,12 +681,21 @@ class Store:
 
     # -- claims, eviction and moves ------------------------------------------------------------
     def _claim(self, pages: Seq[Page], to_tier: int, propagate: bool = True) -> None:
-        """Mark pages as moving, all under one future (one move decides them
-        together); waiters on a promotion get its error when ``propagate``."""
-        fut = asyncio.get_running_loop().create_future()
-        fut.to_gpu = to_tier == GPU and propagate
+        """Mark pages as moving: one future per batch the move will run
+        (source tier and group, destination group), none per page; waiters
+        on a promotion get its error when ``propagate``. A waiter thus
+        learns the fate of its own pages' batch, not of the whole claim."""
+        loop = asyncio.get_running_loop()
+        to_gpu = to_tier == GPU and propagate
+        dst_group = self.group_of[to_tier]    # drops (-1) key by the disk's groups: any stable key does
+        futs: dict[tuple[int, int, int], asyncio.Future] = {}
         for p in pages:
             assert not p.dead, f"claiming a freed page {p}"
+            key = (p.tier, p.group, dst_group[p.lc])
+            fut = futs.get(key)
+            if fut is None:
+                fut = futs[key] = loop.create_future()
+                fut.to_gpu = to_gpu
             p.moving = fut
             p.moving_to = to_tier
             if p.qentry is not None:
@@ -798,16 +812,17 @@ class Store:
         instead of freed. On failure every batch's claims are settled and the
         first error is raised (after the others finish).
 
-        A page's claim future must mean "this page's move is done", so when
-        a claim splits into several batches each batch gets its own; the
-        claim's first future (which waiters may hold already) is settled once
-        all batches are."""
+        A page's claim future must mean "this page's move is done". ``_claim``
+        makes one per batch; should a future still span batches (a move to
+        another tier than claimed, with other groups), each batch gets its
+        own and the spanning one, which waiters may hold already, is settled
+        once all batches are."""
         src_tier, src_group = pages[0].tier, pages[0].group     # handoff: one source (tier, group)
         batches: dict[tuple[int, int, int], list[Page]] = collections.defaultdict(list)
         for p in sorted(pages, key=lambda p: p.slot):
             batches[(p.tier, p.group, self.group_of[dst_tier][p.lc])].append(p)
         claims = {id(p.moving): p.moving for p in pages}
-        if len(batches) > 1:
+        if len(claims) < len(batches):
             loop = asyncio.get_running_loop()
             for batch in batches.values():
                 fut = loop.create_future()

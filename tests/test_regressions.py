@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 
 import pytest
@@ -158,4 +159,48 @@ async def test_a_claim_split_into_batches_completes_page_by_page(tmp_path):
             assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
         await seq.close()
     finally:
+        await store.close()
+
+
+async def test_a_waiter_on_a_split_promotion_gets_only_its_own_batchs_error(tmp_path):
+    """B waits on host pages that A's acquire is promoting together with disk
+    pages whose read fails. B's batch succeeded: B must not get A's error."""
+    store = await Store.open(config(gpu=8, host=4, disk=32, disk_dir=tmp_path))
+    seqs = []
+    try:
+        a = toks(1, 8)
+        await fill(store, a)
+        await fill(store, toks(2, 4))
+        await fill(store, toks(3, 4))
+        await store.drain()
+        seq_a = await store.open_sequence(tokens=a)
+        seq_b = await store.open_sequence(tokens=a[:16])      # A's first half only: on host
+        seqs += [seq_a, seq_b]
+        b_pages = [row[0] for row in seq_b.pages]
+        assert {p.tier for p in b_pages} == {HOST}
+        assert {row[0].tier for row in seq_a.pages} == {HOST, DISK}
+        write = store.disk.write
+
+        def slow_write(*args):          # A's demotions take a while, so B joins before any batch runs
+            time.sleep(0.2)
+            return write(*args)
+        store.disk.write = slow_write
+        store.disk.inject_fault("read", errno.EIO, count=10)   # A's disk batch fails
+        ta = asyncio.ensure_future(seq_a.acquire())
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if all(p.moving is not None for p in b_pages):
+                break
+        assert all(p.moving is not None for p in b_pages)
+        tb = asyncio.ensure_future(seq_b.acquire())
+        (res_a,) = await asyncio.gather(ta, return_exceptions=True)
+        await tb                                               # raised A's TierIOError before the fix
+        assert isinstance(res_a, TierIOError)
+        assert all(p.tier == GPU for p in b_pages)
+        for b in range(4):
+            assert torch.equal(read_block(store, seq_b, 0, b), expected_block(store, seq_b, 0, b))
+    finally:
+        for seq in seqs:
+            if not seq.closed:
+                await seq.close()
         await store.close()
