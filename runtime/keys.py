@@ -50,14 +50,20 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
     return out
 
 
+_KEY_TYPES = {int, bytes}
+
+
 def check_block_keys(keys: Sequence[BlockKey]) -> list[BlockKey]:
     """Validate caller-supplied keys: all ints or all bytes, no bools."""
     if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
         raise UsageError(f"block_keys must be a sequence of int or bytes keys, got {type(keys).__name__}")
     out = list(keys)
+    types = set(map(type, out))
+    if len(types) <= 1 and types <= _KEY_TYPES:        # the common case, checked in C
+        return out
     for k in out:
         if isinstance(k, bool) or not isinstance(k, (int, bytes)):
             raise UsageError(f"block key {k!r} is a {type(k).__name__}; keys are int or bytes")
-    if out and len({type(k) for k in out}) > 1:
+    if len({type(k) for k in out}) > 1:
         raise UsageError("block_keys mixes int and bytes keys")
     return out

@@ -60,6 +60,8 @@ class Store:
             for i, (layer, role, _) in enumerate(lc.buffers):
                 self.layer_lc[layer] = lc.index
                 self.pool_index[(layer, role)] = i
+        # every life cycle is full attention: an acquire needs every page (the common case, a fast path)
+        self.reads_all = all(lc.kind != "ssm" and lc.window_tokens is None for lc in self.lcs)
         # windowed/ssm REQUIRED life cycles: the only pages a match must look at
         self.check_lcs = [lc for lc in self.lcs if lc.reuse is ReusePolicy.REQUIRED
                           and (lc.window_tokens is not None or lc.kind == "ssm")]
@@ -321,31 +323,38 @@ class Store:
         fences = []
         n_lcs = len(self.lcs)
         gpu_group = self.group_of[GPU]
+        owners, gpu_fences = self.owners[GPU], [a.fences for a in self.allocs[GPU]]
         locks = 1 if seq.acquired else 0
+        keys, priority = seq.keys, seq.priority
+        # stamped as a touch of the new blocks deepest first would (they are in no queue yet)
+        stamp = self.clock + n * n_lcs
+        self.clock = stamp
+        parent = seq.blocks[start - 1] if start else None
         for i in range(start, start + n):
-            parent = seq.blocks[i - 1] if i else None
-            block = Block(seq.keys[i] if i < len(seq.keys) else None, parent, i, n_lcs)
-            row: list[Page | None] = []
+            block = Block(keys[i] if i < len(keys) else None, parent, i, n_lcs)
+            row = block.pages
+            stamp -= n_lcs
             for lc in range(n_lcs):
                 g = gpu_group[lc]
                 slot = slots[g].pop()
-                fence = self.allocs[GPU][g].fences[slot]
+                fence = gpu_fences[g][slot]
                 if fence is not None:
                     fences.append(fence)
-                p = self._new_page(block, lc, GPU, g, slot, seq.priority)
+                p = Page(block, lc, GPU, g, slot, priority)
+                owners[g][slot] = p
                 p.holders = 1
                 p.locks = locks
-                if locks:
-                    seq.locked.append(p)
-                block.pages[lc] = p
-                row.append(p)
+                p.stamp = stamp + lc + 1
+                row[lc] = p
             seq.blocks.append(block)
-            seq.pages.append(row)
-        new = [p for row in reversed(seq.pages[start:]) for p in row]
-        self._touch(new)                    # deepest first, then queued in that (stamp) order
-        if not locks:
-            for p in new:
-                self._requeue(p)
+            seq.pages.append(list(row))
+            parent = block
+        if locks:
+            seq.locked.extend(p for row in seq.pages[start:] for p in row)
+        else:
+            for row in reversed(seq.pages[start:]):     # oldest stamp first: the queue's cheap path
+                for p in row:
+                    self._requeue(p)
         return fences
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
@@ -357,7 +366,12 @@ class Store:
 
     # -- acquire / release -------------------------------------------------------------------
     def _needed(self, seq: Sequence) -> list[tuple[int, int]]:
-        h = len(seq.blocks) * self.tpb
+        """(block, life cycle) of the pages an acquire locks, deepest first."""
+        n = len(seq.blocks)
+        if self.reads_all:
+            lcs = range(len(self.lcs) - 1, -1, -1)
+            return [(b, lc) for b in range(n - 1, -1, -1) for lc in lcs]
+        h = n * self.tpb
         out = set()
         for lc in self.lcs:
             out.update((b, lc.index) for b in lc.needed_blocks(h, self.tpb))
