@@ -22,6 +22,7 @@ import torch
 from tiers.codecs import Codec, get_codec
 from tiers.device import Device, aligned_empty
 from tiers.layers import LifeCycle
+from tiers.staging import StagingPool
 from tiers.streams import Event, HostStream
 
 from .pages import GPU, HOST, TIER_NAMES, Page
@@ -36,6 +37,7 @@ except ImportError:   # pragma: no cover - tiers.disk lands with the disk tier
 
 FEW_RUNS = 4             # above this many runs, host rows move by fancy indexing, not per run
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
+STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 ANONYMOUS_KEY = b""      # disk record key of a page that must not be recovered
 
 
@@ -49,12 +51,15 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Rows ``slots`` of ``src`` as a new tensor on ``device`` (page-aligned on
-    the host, so the disk tier can write it without a bounce copy)."""
+def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``slots`` of ``src`` as a tensor on ``device``: ``out`` when given
+    (a host staging buffer), else a new one (page-aligned on the host, so the
+    disk tier can write it without a bounce copy)."""
     if device.type == "cpu":
-        out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
-            torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
+        if out is None:
+            out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
+                torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
         if src.device == device:
             torch.index_select(src, 0, torch.as_tensor(slots, dtype=torch.long), out=out)
             return out
@@ -103,7 +108,7 @@ def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, ds
 
 
 class MigrationEngine:
-    __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write",
+    __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
                  "io_read", "stats", "fault")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
@@ -120,11 +125,13 @@ class MigrationEngine:
         self.io_write = HostStream("kvtier-disk-write")
         self.io_read = HostStream("kvtier-disk-read")
         self.stats = MoveStats()
+        self.staging = StagingPool(lambda n: device.host_empty(1, n, zero=False).view(-1), STAGING_IDLE_BYTES)
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
     def close(self) -> None:
         for s in (self.down, self.up, self.io_write, self.io_read):
             s.close()
+        self.staging.clear()
 
     # -- codec helpers ----------------------------------------------------------
     def _identity(self, lcs: list[int]) -> bool:
@@ -173,14 +180,17 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
                 ev = await self._stage(busy, self.down, job, deps)
             else:
-                staging: list[torch.Tensor] = []
-
-                def job() -> None:
-                    rows = self._convert(gather(hot.tensor, src_slots, dev), lcs, True, cold_bytes)
-                    staging.append(rows if rows.device == host_dev else gather(rows, range(len(src_slots)), host_dev))
-                await self._stage(busy, self.down, job, deps)
-                ev = await self._stage(busy, self.io_write, lambda: self.disk.write(
-                    dst_group, list(dst_slots), staging[0], self._records(pages)), [])
+                records = self._records(pages)
+                with self.staging.borrow(len(pages), cold_bytes) as buf:
+                    def job() -> None:
+                        if self._identity(lcs):
+                            gather(hot.tensor, src_slots, host_dev, out=buf)
+                        else:
+                            buf.copy_(self._convert(gather(hot.tensor, src_slots, dev), lcs, True, cold_bytes),
+                                      non_blocking=True)
+                    await self._stage(busy, self.down, job, deps)
+                    ev = await self._stage(busy, self.io_write,
+                                           lambda: self.disk.write(dst_group, list(dst_slots), buf, records), [])
         elif src_tier == HOST:
             src = self.host[src_group].tensor
             if dst_tier == GPU:
@@ -199,7 +209,6 @@ class MigrationEngine:
                                        lambda: self._spill(src, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
-            staging = self.device.host_empty(len(pages), width, zero=False)
             read_deps = [p.ready for p in pages]
             if dst_tier == HOST:
                 dst = self.host[dst_group].tensor
@@ -210,12 +219,14 @@ class MigrationEngine:
                 ev = await self._stage(busy, self.io_read, job, read_deps + list(fences))
             else:
                 dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
-                await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging), read_deps)
+                with self.staging.borrow(len(pages), width) as staging:
+                    await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
+                                      read_deps)
 
-                def job() -> None:
-                    rows = gather(staging, range(len(pages)), dev)
-                    scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
-                ev = await self._stage(busy, self.up, job, list(fences))
+                    def job() -> None:
+                        rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
+                        scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
+                    ev = await self._stage(busy, self.up, job, list(fences))
         nbytes = len(pages) * self._dst_width(dst_tier, dst_group)
         self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], len(pages), nbytes, busy[0])
         return ev
@@ -255,13 +266,13 @@ class MigrationEngine:
         done: list[int] = []
         try:
             for a in range(0, len(src_slots), per):
-                part = src_slots[a:a + per]
+                part, dst, recs = src_slots[a:a + per], list(dst_slots[a:a + per]), records[a:a + per]
                 if part[-1] - part[0] == len(part) - 1:        # ascending, so one run
-                    rows = src[part[0]:part[0] + len(part)]
+                    self.disk.write(group, dst, src[part[0]:part[0] + len(part)], recs)
                 else:
-                    rows = gather(src, part, src.device)
-                self.disk.write(group, list(dst_slots[a:a + per]), rows, records[a:a + per])
-                done.extend(dst_slots[a:a + per])
+                    with self.staging.borrow(len(part), src.shape[1]) as buf:
+                        self.disk.write(group, dst, gather(src, part, src.device, out=buf), recs)
+                done.extend(dst)
         except BaseException:
             if done:
                 self.disk.free(group, done)
