@@ -60,6 +60,8 @@ def check_block_keys(keys: Sequence[BlockKey]) -> list[BlockKey]:
     out = list(keys)
     types = set(map(type, out))
     if len(types) <= 1 and types <= _KEY_TYPES:        # the common case, checked in C
+        if types == {bytes} and b"" in out:
+            raise UsageError("block key b'' is reserved (the disk tier's mark for uncommitted pages)")
         return out
     for k in out:
         if isinstance(k, bool) or not isinstance(k, (int, bytes)):

@@ -180,7 +180,7 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
                 ev = await self._stage(busy, self.down, job, deps)
             else:
-                records = self._records(pages)
+                records = self.records_of(pages)
                 with self.staging.borrow(len(pages), cold_bytes) as buf:
                     def job() -> None:
                         if self._identity(lcs):
@@ -204,7 +204,7 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                 ev = await self._stage(busy, self.up, job, deps)
             else:
-                records = self._records(pages)
+                records = self.records_of(pages)
                 ev = await self._stage(busy, self.io_write,
                                        lambda: self._spill(src, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
@@ -278,7 +278,8 @@ class MigrationEngine:
                 self.disk.free(group, done)
             raise
 
-    def _records(self, pages: Sequence[Page]) -> list:
+    def records_of(self, pages: Sequence[Page]) -> list:
+        """The disk journal records of ``pages`` (anonymous for uncommitted ones)."""
         out = []
         for p in pages:
             b = p.block

@@ -130,9 +130,9 @@ class Store:
         if cfg.disk is not None:
             from tiers.disk import DiskTier
             d = cfg.disk
-            self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb), list(zip(cold_bytes, n["disk"])),
-                                      on_mismatch=d.on_mismatch, o_direct=d.o_direct, min_free=d.min_free,
-                                      fsync=d.fsync)
+            self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb, cfg.hash_salt),
+                                      list(zip(cold_bytes, n["disk"])), on_mismatch=d.on_mismatch,
+                                      o_direct=d.o_direct, min_free=d.min_free, fsync=d.fsync)
         self.slabs = [gpu, host]
         self.allocs: list[list[SlotAllocator]] = [
             [p.allocator for p in gpu], [p.allocator for p in host],
@@ -517,20 +517,24 @@ class Store:
     # -- commit / close ------------------------------------------------------------------------
     def _commit(self, seq: Sequence, n: int) -> None:
         start = seq.committed
+        on_disk: list[Page] = []
         try:
-            self._commit_blocks(seq, n)
+            self._commit_blocks(seq, n, on_disk)
         finally:
+            if on_disk:
+                self._relabel(on_disk)
             if seq.recompute and seq.committed > start:     # the newly committed blocks have their data now
                 seq.recompute = {(b, lc) for b, lc in seq.recompute if not start <= b < seq.committed}
         self._touch(p for row in reversed(seq.pages[:n]) for p in row if p is not None)
 
-    def _commit_blocks(self, seq: Sequence, n: int) -> None:
+    def _commit_blocks(self, seq: Sequence, n: int, on_disk: list[Page]) -> None:
+        """Index blocks ``[0, n)``; pages published while resting on disk go to ``on_disk``."""
         for i in range(n):
             block = seq.blocks[i]
             row = seq.pages[i]
             if i < seq.committed:
                 if block.indexed:
-                    self._adopt(block, row, seq, i)
+                    self._adopt(block, row, seq, i, on_disk)
                 continue
             parent = seq.blocks[i - 1] if i else None
             if parent is not None and not parent.indexed:
@@ -554,12 +558,14 @@ class Store:
                         p.published = True
                         if not p.locks:         # a locked page stays out of the queues either way
                             self._requeue(p)
+                        if p.tier == DISK and p.moving is None:
+                            on_disk.append(p)
             else:
                 seq.blocks[i] = node
-                self._adopt(node, row, seq, i)
+                self._adopt(node, row, seq, i, on_disk)
             seq.committed = max(seq.committed, i + 1)
 
-    def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int) -> None:
+    def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int, on_disk: list[Page]) -> None:
         """Publish ``row``'s pages into ``node`` where it has none (or only an idle colder copy)."""
         for lc, p in enumerate(row):
             if p is None or p.dead or p.published or self.lcs[lc].reuse is ReusePolicy.PRIVATE:
@@ -577,6 +583,21 @@ class Store:
             p.published = True
             node.pages[lc] = p
             self._requeue(p)
+            if p.tier == DISK and p.moving is None:
+                on_disk.append(p)
+
+    def _relabel(self, pages: Seq[Page]) -> None:
+        """Pages published after they reached the disk carry anonymous
+        journal records, which recovery never serves: give them their
+        keys, in order with the writes and frees on the disk stream."""
+        by_group: dict[int, list[Page]] = collections.defaultdict(list)
+        for p in pages:
+            if p.tier == DISK and not p.dead:
+                by_group[p.group].append(p)
+        for g, ps in by_group.items():
+            slots, records = [p.slot for p in ps], self.engine.records_of(ps)
+            self.engine.io_write.submit(lambda g=g, slots=slots, records=records:
+                                        self.disk.relabel(g, slots, records), event=False)
 
     def _close_sequence(self, seq: Sequence) -> None:
         self._release(seq)
@@ -880,6 +901,7 @@ class Store:
                           handoff: bool) -> list[int]:
         alloc = self.allocs[dst_tier][g]
         fences = [alloc.fences[s] for s in dst_slots]
+        anonymous = [p for p in batch if not p.published] if dst_tier == DISK else None   # as the records say
         try:
             ev = await self.engine.run(batch, dst_tier, g, dst_slots, fences)
         except BaseException as exc:
@@ -888,6 +910,8 @@ class Store:
             self._unclaim(batch, exc)
             if isinstance(exc, CorruptPageError):
                 self._discard_corrupt(batch, set(getattr(exc, "slots", ())))
+            if batch[0].tier == DISK:     # committed during the failed move: their record may be anonymous
+                self._relabel([p for p in batch if p.published])
             raise
         src_tier, src_group = batch[0].tier, batch[0].group
         src_owners, dst_owners = self.owners[src_tier][src_group], self.owners[dst_tier][g]
@@ -902,6 +926,8 @@ class Store:
             self.allocs[src_tier][src_group].release(freed, ev)
             freed = []
         self._unclaim(batch, None)
+        if anonymous:
+            self._relabel([p for p in anonymous if p.published])    # committed while the write ran
         return freed
 
     def _discard_corrupt(self, batch: list[Page], bad: set[int]) -> None:

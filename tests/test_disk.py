@@ -657,3 +657,79 @@ def test_groups_written_concurrently(tmp_path):
         assert len(set(gens)) == 640
     finally:
         tier.close()
+
+
+# ---- journal compaction under faults (found in review) ------------------------------------------
+
+def test_a_compaction_whose_directory_sync_fails_loses_no_later_write(tmp_path, monkeypatch):
+    """The rename is done but not durable: later appends go to the new
+    journal and sync the directory first, so what they acknowledge survives
+    a crash (they used to go to the unlinked old journal)."""
+    import tiers.disk as disk
+    tier = open_tier(tmp_path / "d", groups=[(4096, 256)], o_direct="off")
+    write_keys(tier, 0, [0], [1])
+    real = disk._fsync_dir
+
+    def failing(path):
+        raise OSError(errno.EIO, "injected EIO on the directory fsync")
+    monkeypatch.setattr(disk, "_fsync_dir", failing)
+    with pytest.raises(TierIOError):
+        tier.checkpoint(0)
+    with pytest.raises(TierIOError):               # nothing is acknowledged while the rename is not durable
+        write_keys(tier, 0, [5], [6])
+    monkeypatch.setattr(disk, "_fsync_dir", real)
+    write_keys(tier, 0, [1, 2, 3], [2, 3, 4])
+    crash = crash_image(tier, tmp_path / "crash")
+    tier.close()
+    again = open_tier(crash, groups=[(4096, 256)], o_direct="off")
+    try:
+        assert sorted(again.live_slots(0)) == [0, 1, 2, 3]
+        out = read_back(again, 0, [0, 1, 2, 3])
+        assert all(np.array_equal(out[i].numpy(), page_bytes(k, 4096)) for i, k in enumerate([1, 2, 3, 4]))
+    finally:
+        again.close()
+
+
+def test_reopening_a_crashed_tier_on_a_full_disk_serves_what_it_holds(tmp_path):
+    """Open compacts dirty journals; when the disk is full that fails, and the
+    repaired journal serves as it is instead of failing the open."""
+    import resource
+    import signal
+    tier = open_tier(tmp_path / "d", groups=[(4096, 4096)], o_direct="off", fsync=False)
+    for a in range(0, 2000, 100):
+        write_keys(tier, 0, list(range(a, a + 100)), list(range(a + 1, a + 101)))
+    crash = crash_image(tier, tmp_path / "crash")
+    tier.close()
+    with open(os.path.join(crash, "group-0.journal"), "ab") as f:
+        f.write(b"\x50\x00\x00\x00torn")                        # a torn last frame
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, old_limit[1]))   # no file may grow past 16 KiB
+        again = open_tier(crash, groups=[(4096, 4096)], o_direct="off", fsync=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    try:
+        assert len(again.live_slots(0)) == 2000
+        out = read_back(again, 0, [0, 999, 1999])
+        assert all(np.array_equal(out[i].numpy(), page_bytes(s + 1, 4096)) for i, s in enumerate([0, 999, 1999]))
+    finally:
+        again.close()
+
+
+def test_relabel_gives_live_pages_new_records_that_survive_reopen(tmp_path):
+    tier = open_tier(tmp_path / "d", groups=[(4096, 64)], o_direct="off")
+    tier.write(0, [3, 4], rows_for([7, 8], 4096), [rec(b"", depth=0), rec(b"", depth=0)])
+    with pytest.raises(UsageError):
+        tier.relabel(0, [5], [rec(9)])                          # no page there
+    tier.relabel(0, [3, 4], [rec(70, depth=2, parent=69), rec(80, depth=3, parent=70)])
+    tier.close()
+    again = open_tier(tmp_path / "d", groups=[(4096, 64)], o_direct="off")
+    try:
+        got = {p.slot: p.record for p in again.recovered}
+        assert got == {3: rec(70, depth=2, parent=69), 4: rec(80, depth=3, parent=70)}
+        out = read_back(again, 0, [3, 4])                        # the bytes and checksums are the old ones
+        assert np.array_equal(out[0].numpy(), page_bytes(7, 4096)) and np.array_equal(out[1].numpy(), page_bytes(8, 4096))
+    finally:
+        again.close()

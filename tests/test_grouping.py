@@ -1,6 +1,8 @@
 """Pool grouping in the GPU and cold tiers, and quota splitting."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -166,11 +168,15 @@ def test_fingerprint_describes_life_cycles_and_cold_groups():
     assert fp == {
         "tokens_per_block": 32,
         "life_cycles": [
-            ["attention", None, 0, "required", None, "concat", "float16", [0, 2], [1024, 1024, 1024, 1024]],
-            ["attention", 256, 16, "sink_required_only", None, "concat", "float16", [1], [1024, 1024]],
+            ["attention", None, 0, "required", None, "concat", "float16", [0, 2], [1024, 1024, 1024, 1024],
+             [[0, "k", 1024], [0, "v", 1024], [2, "k", 1024], [2, "v", 1024]]],
+            ["attention", 256, 16, "sink_required_only", None, "concat", "float16", [1], [1024, 1024],
+             [[1, "k", 1024], [1, "v", 1024]]],
         ],
         "cold_groups": [["required", 4096, [0]], ["required", 2048, [1]]],
+        "hash_salt": hashlib.blake2b(b"", digest_size=8).hexdigest(),
     }
+    assert Layout.build(lcs).fingerprint(32, b"other")["hash_salt"] != fp["hash_salt"]
 
 
 def test_split_quota_follows_demand_above_an_even_floor():

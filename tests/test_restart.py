@@ -13,9 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from runtime import ConfigError, DiskFullError, LayerSpec, Store, TierIOError
+from runtime import ConfigError, DiskFullError, LayerSpec, Store, TierIOError, UsageError
+from runtime.pages import DISK
 
-from helpers import config, expected_block, fill, read_block, toks
+from helpers import config, expected_block, fill, read_block, toks, write_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -213,3 +214,49 @@ async def test_a_new_disk_quota_keeps_the_pages_that_fit(tmp_path):
             assert (await _check_prefix(store, base, 4))[2]
         segs = [os.path.getsize(os.path.join(tmp_path, p)) for p in os.listdir(tmp_path) if p.endswith(".seg")]
         assert max(segs) <= 64 * 4096
+
+
+async def test_a_block_committed_after_its_pages_reached_disk_survives_a_restart(tmp_path):
+    """Released uncommitted pages went down to disk with anonymous records;
+    the commit that follows must relabel them, or the restart loses the
+    prefix (found in review)."""
+    cfg = lambda: config(gpu=4, host=4, disk=64, disk_dir=tmp_path)    # noqa: E731
+    async with Store.open(cfg()) as store:
+        seq = await store.open_sequence(tokens=toks(0, 4))
+        await seq.acquire()
+        await seq.extend(4)
+        write_blocks(store, seq, range(4))
+        await seq.release()                        # held, not committed yet
+        for base in (1, 2, 3):                     # pushes its pages GPU -> host -> disk
+            await fill(store, toks(base, 4))
+        await store.drain()
+        assert all(p.tier == DISK for row in seq.pages for p in row)
+        seq.commit(4)
+        await seq.close()
+    async with Store.open(cfg()) as store:
+        seq = await store.open_sequence(tokens=toks(0, 4))
+        assert seq.matched_blocks == 4
+        await seq.acquire()
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.close()
+
+
+async def test_buffers_in_another_order_or_another_hash_salt_are_a_layout_mismatch(tmp_path):
+    """Same sizes, roles swapped: the old K bytes would be served as V. A new
+    salt: every recovered key would be a permanent miss."""
+    kv = [LayerSpec(0, (("k", 256), ("v", 256)))]
+    await _spill(tmp_path, n=4)                  # the default layout is this kv one
+    for kw in ({"layers": [LayerSpec(0, (("v", 256), ("k", 256)))]}, {"layers": kv, "hash_salt": b"tenant-2"}):
+        with pytest.raises(ConfigError) as e:
+            async with Store.open(_cfg(tmp_path, **kw)):
+                pass
+        assert "tiers.disk" in str(e.value) or "layout" in str(e.value)
+    async with Store.open(_cfg(tmp_path, layers=kv)) as store:
+        assert store.stats()["recovered_pages"] > 0
+
+
+async def test_the_empty_bytes_key_is_refused():
+    async with Store.open(config()) as store:
+        with pytest.raises(UsageError, match="reserved"):
+            await store.open_sequence(block_keys=[b"a", b""])

@@ -205,6 +205,16 @@ def _is_key(k: Any) -> bool:
     return isinstance(k, (int, bytes)) and not isinstance(k, bool)
 
 
+def _check_records(records: list, n: int) -> None:
+    if len(records) != n:
+        raise UsageError(f"{n} slots but {len(records)} records")
+    for r in records:
+        if not isinstance(r, PageRecord):
+            raise UsageError(f"records must be PageRecord, got {type(r).__name__}")
+        if not _is_key(r.key) or not (r.parent is None or _is_key(r.parent)):
+            raise UsageError(f"block keys must be int or bytes, got {r.key!r} / {r.parent!r}")
+
+
 def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
     bufs = [memoryview(b).cast("B") for b in bufs]
     while bufs:
@@ -272,7 +282,7 @@ def _first_difference(old: Any, new: Any, path: str) -> str | None:
 class _Group:
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
                  "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "entries", "pending_free", "forgotten",
-                 "live_bytes", "lock", "broken", "pad", "direct")
+                 "live_bytes", "lock", "broken", "pad", "direct", "dir_unsynced")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
         self.index = index
@@ -295,6 +305,7 @@ class _Group:
         self.live_bytes = 0
         self.lock = threading.Lock()
         self.broken: str | None = None
+        self.dir_unsynced = False      # a journal rename awaits its directory fsync
         self.pad = bytes(self.stride - slot_bytes)            # written after each row to fill its stride
 
     def pieces(self, sorted_slots: list[int], split: bool = True) -> list[tuple[int, int]]:
@@ -491,7 +502,10 @@ class DiskTier:
         if self.fsync:
             _fsync_dir(self.path)
         for g in needs_checkpoint:
-            self._checkpoint_locked(g)
+            try:
+                self._checkpoint_locked(g)
+            except OSError as e:       # the repaired journal serves as it is; the next compaction retries
+                log.warning("disk tier: compacting group %d's journal at open failed: %s", g.index, e)
         self.recovered = sorted(
             (RecoveredPage(g.index, s, e[0], e[2]) for g in self.groups for s, e in g.entries.items()),
             key=lambda p: p.generation)
@@ -724,6 +738,15 @@ class DiskTier:
         if g.broken is not None:
             raise TierIOError(errno.EIO, f"disk tier group {g.index} is unusable: {g.broken}; reopen the tier")
 
+    def _check_live_locked(self, g: _Group, slots: list[int]) -> None:
+        """Under g.lock: the tier is open, the group usable, and every slot holds a page."""
+        if self._closed:
+            raise StoreClosedError("disk tier is closed")
+        self._usable(g)
+        missing = [s for s in slots if s not in g.entries]
+        if missing:
+            raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16]}")
+
     def _check_slots(self, g: _Group, slots: list[int]) -> None:
         for s in slots:
             if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < g.slots:
@@ -773,6 +796,9 @@ class DiskTier:
         start = g.journal_size
         t0 = time.perf_counter()
         try:
+            if g.dir_unsynced:        # a compaction's rename is not durable yet: nothing after it would be
+                _fsync_dir(self.path)
+                g.dir_unsynced = False
             _pwritev_all(g.journal_fd, [frame], start)
             if self.fsync:
                 os.fdatasync(g.journal_fd)
@@ -802,7 +828,7 @@ class DiskTier:
         if g.journal_size > max(CHECKPOINT_RATIO * snapshot, self.checkpoint_floor):
             try:
                 self._checkpoint_locked(g)
-            except OSError as e:   # the old journal is still intact and valid
+            except OSError as e:   # the old journal, or the new one, is in use and valid (see _checkpoint_locked)
                 log.warning("disk tier: journal compaction of group %d failed: %s", g.index, e)
 
     def _checkpoint_locked(self, g: _Group) -> None:
@@ -810,7 +836,10 @@ class DiskTier:
         with self._gen_lock:
             next_gen = self._gen
         header = {"format": FORMAT_VERSION, "group": g.index, "next_gen": next_gen}
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise _typed(e, f"creating {tmp}") from e
         live = written = 0
         try:
             chunks = [_frame(header)]
@@ -831,20 +860,34 @@ class DiskTier:
             written += pending
             if self.fsync:
                 os.fsync(fd)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if isinstance(e, OSError):
+                raise _typed(e, f"compacting group {g.index}'s journal") from e
             raise
         os.close(fd)
-        os.replace(tmp, g.journal_path)
-        if self.fsync:
-            _fsync_dir(self.path)
-        old = g.journal_fd
-        g.journal_fd = os.open(g.journal_path, os.O_RDWR)
+        try:
+            os.replace(tmp, g.journal_path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _typed(e, f"replacing {g.journal_path}") from e
+        # The new journal is in place: switch to it before anything else can fail, or later records
+        # would go to the old file, which the rename just unlinked.
+        try:
+            new_fd = os.open(g.journal_path, os.O_RDWR)
+        except OSError as e:
+            g.broken = f"the compacted journal could not be reopened ({e.strerror})"
+            raise _typed(e, f"reopening {g.journal_path}") from e
+        old, g.journal_fd = g.journal_fd, new_fd
         os.close(old)
+        g.dir_unsynced = self.fsync       # the rename is durable once the directory is synced
         g.journal_size = written
         g.pending_free.clear()     # the snapshot already leaves freed slots out
         if items:                  # re-estimate per-record bytes from the snapshot
@@ -854,6 +897,12 @@ class DiskTier:
         else:
             g.live_bytes = 0
         self._add_stats(checkpoints=1)
+        if g.dir_unsynced:
+            try:
+                _fsync_dir(self.path)
+            except OSError as e:      # every append syncs the directory first until one succeeds
+                raise _typed(e, f"syncing {self.path} after compacting group {g.index}'s journal") from e
+            g.dir_unsynced = False
 
     def _ensure_size(self, g: _Group, needed: int) -> None:
         """Grow g's segment (preallocated) so that it covers ``needed`` bytes."""
@@ -982,14 +1031,8 @@ class DiskTier:
         g = self._group(group)
         slots = list(slots)
         n = len(slots)
-        if len(records) != n:
-            raise UsageError(f"{n} slots but {len(records)} records")
         self._check_slots(g, slots)
-        for r in records:
-            if not isinstance(r, PageRecord):
-                raise UsageError(f"records must be PageRecord, got {type(r).__name__}")
-            if not _is_key(r.key) or not (r.parent is None or _is_key(r.parent)):
-                raise UsageError(f"block keys must be int or bytes, got {r.key!r} / {r.parent!r}")
+        _check_records(records, n)
         arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
         if n == 0:
             return
@@ -1151,12 +1194,7 @@ class DiskTier:
         if n == 0:
             return
         with g.lock:
-            if self._closed:
-                raise StoreClosedError("disk tier is closed")
-            self._usable(g)
-            missing = [s for s in slots if s not in g.entries]
-            if missing:
-                raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16]}")
+            self._check_live_locked(g, slots)
             short, bad, tio, tck = self._read_locked(g, slots, arr)
             self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck)
             if short:
@@ -1190,6 +1228,31 @@ class DiskTier:
                         self._discard(g, bad, "checksum mismatch")
                         found += [(g.index, s, "checksum mismatch") for s in bad]
         return found
+
+    def relabel(self, group: int, slots: list[int], records: list[PageRecord]) -> None:
+        """Give live pages new records, keeping their bytes and checksums: one journal frame, no data
+        written. For a page whose block was committed after the page reached the disk (it was written
+        with an anonymous record, which recovery never serves). ``UsageError`` for a slot with no page."""
+        g = self._group(group)
+        slots = list(slots)
+        self._check_slots(g, slots)
+        _check_records(records, len(slots))
+        if not slots:
+            return
+        with g.lock:
+            self._check_live_locked(g, slots)
+            gen = self._take_gens(len(slots))
+            recs = self._free_records(g)
+            for k, (s, r) in enumerate(zip(slots, records)):
+                recs.append([_REC_WRITE, s, gen + k, g.entries[s][1], r.key, r.parent, r.depth, r.life_cycle,
+                             r.priority])
+            per = self._append(g, recs) // len(recs)
+            g.pending_free.clear()
+            for k, (s, r) in enumerate(zip(slots, records)):
+                old = g.entries[s]
+                g.live_bytes += per - old[3]
+                g.entries[s] = (r, old[1], gen + k, per)
+            self._maybe_checkpoint(g)
 
     def free(self, group: int, slots: list[int]) -> None:
         """Forget the pages in ``slots``. The free records are journaled with the group's next append

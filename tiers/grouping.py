@@ -7,6 +7,7 @@ uses the pool reuse policy, so ``SINK_REQUIRED_ONLY`` shares with ``REQUIRED``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Sequence
 
 from .codecs import cold_page_bytes
@@ -105,11 +106,15 @@ class Layout:
     def group_map(self, tier: str) -> dict[int, int]:
         return {lc: g.index for g in self.groups[tier] for lc in g.life_cycles}
 
-    def fingerprint(self, tokens_per_block: int) -> dict:
-        """What a disk tier written by another store must agree on."""
+    def fingerprint(self, tokens_per_block: int, hash_salt: bytes = b"") -> dict:
+        """What a disk tier written by another store must agree on: a page's
+        bytes mean the same only with the same buffers (layer, role, size)
+        in the same order, and its key only with the same hash salt."""
         return {
             "tokens_per_block": tokens_per_block,
             "life_cycles": [[lc.kind, lc.window_tokens, lc.sink_tokens, lc.reuse.value, lc.sparsity,
-                             lc.codec, lc.dtype, list(lc.layer_ids), list(lc.slot_sizes)] for lc in self.life_cycles],
+                             lc.codec, lc.dtype, list(lc.layer_ids), list(lc.slot_sizes),
+                             [[layer, role, size] for layer, role, size in lc.buffers]] for lc in self.life_cycles],
             "cold_groups": [[g.key[0].value, g.key[1], list(g.life_cycles)] for g in self.groups[DISK]],
+            "hash_salt": hashlib.blake2b(hash_salt, digest_size=8).hexdigest(),
         }
