@@ -101,10 +101,14 @@ def index_recovered(store: "Store") -> None:
     if store.orphaned:
         log.warning("disk tier: %d recovered pages are unreachable (an ancestor's page was not on disk) "
                     "and were freed", store.orphaned)
-    for g, owners in enumerate(store.owners[DISK]):
-        for p in owners:
-            if p is not None:
-                store.clock += 1
-                p.stamp = store.clock
-                store._requeue(p)
+    # Recency is not journaled. Deepest first, then in write order: a block is never older than its
+    # descendants (evicting an ancestor first would drop its whole subtree), and shallow blocks, which
+    # more requests share, go last.
+    gen = {(rp.group, rp.slot): rp.generation for rp in disk.recovered}
+    pages = [p for owners in store.owners[DISK] for p in owners if p is not None]
+    pages.sort(key=lambda p: (-p.block.depth, gen.get((p.group, p.slot), 0)))
+    for p in pages:
+        store.clock += 1
+        p.stamp = store.clock
+        store._requeue(p)
     store.recovered = sum(1 for o in store.owners[DISK] for p in o if p is not None)

@@ -147,6 +147,9 @@ class Sequence:
         cancelled acquire or extend to finish first, so nothing leaks."""
         if self.closed:
             raise StoreClosedError("sequence is already closed")
+        if self.store.closed:                # the store let go of every page when it closed
+            self.closed = True
+            return
         await self._settle()
         if not self.closed:
             self.store._close_sequence(self)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from runtime import LayerSpec, ReusePolicy, Store, TierIOError
+from runtime import LayerSpec, ReusePolicy, Store, StoreClosedError, TierIOError
 from runtime.pages import DISK, GPU, HOST
 
 from helpers import config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
@@ -204,3 +204,23 @@ async def test_a_waiter_on_a_split_promotion_gets_only_its_own_batchs_error(tmp_
             if not seq.closed:
                 await seq.close()
         await store.close()
+
+
+async def test_closing_a_sequence_after_its_store_closed_is_quiet(tmp_path):
+    """Its uncommitted pages went to disk; the store is gone. close() used to
+    try to free them on the closed disk stream (RuntimeError)."""
+    store = await Store.open(config(gpu=4, host=4, disk=32, disk_dir=tmp_path))
+    seq = await store.open_sequence(tokens=toks(0, 4))
+    await seq.acquire()
+    await seq.extend(4)
+    write_blocks(store, seq, range(4))
+    await seq.release()
+    for base in (1, 2, 3):
+        await fill(store, toks(base, 4))
+    await store.drain()
+    assert any(p.tier == DISK for row in seq.pages for p in row)
+    await store.close()
+    await seq.close()
+    assert seq.closed
+    with pytest.raises(StoreClosedError):
+        await seq.acquire()

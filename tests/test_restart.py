@@ -260,3 +260,26 @@ async def test_the_empty_bytes_key_is_refused():
     async with Store.open(config()) as store:
         with pytest.raises(UsageError, match="reserved"):
             await store.open_sequence(block_keys=[b"a", b""])
+
+
+async def test_recovered_pages_are_evicted_deepest_first(tmp_path):
+    """Recency is not journaled: after a restart no block may be evicted
+    before its descendants (that would drop a whole subtree at once)."""
+    async with Store.open(_cfg(tmp_path, gpu=8, host=8)) as store:
+        for base in range(12):
+            await fill(store, toks(base, 4))
+        for base in range(0, 12, 3):                  # shared prefixes: longer chains on the first blocks
+            await fill(store, toks(base, 4) + toks(100 + base, 3))
+    async with Store.open(_cfg(tmp_path, gpu=8, host=8)) as store:
+        q = store.queues[DISK][0]
+        order = q.pop_many(len(q))
+        assert len(order) == store.stats()["recovered_pages"] > 40
+        gone = set()
+        for p in order:
+            node = p.block.parent
+            while node is not None:
+                assert id(node) not in gone, "an ancestor left before its descendant"
+                node = node.parent
+            gone.add(id(p.block))
+        for p in order:                               # back in the queue, so the store closes cleanly
+            store._requeue(p)
