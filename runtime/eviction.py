@@ -61,7 +61,7 @@ class EvictionQueue:
         return c
 
     def push(self, page: Any) -> None:
-        c = self._class(page.priority)
+        c = self._classes.get(page.priority) or self._class(page.priority)
         order = c.order
         if not order or next(reversed(order)).stamp <= page.stamp:
             order[page] = None
