@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.errors import KvtierError
@@ -219,13 +221,42 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        return n
+    return parse
+
+
+def _speed(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return x
+
+
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache page runtime")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="replay a bundled trace slice with real pages through all three tiers")
-    d.add_argument("--requests", type=int, default=300)
-    d.add_argument("--concurrency", type=int, default=4)
+    d.add_argument("--requests", type=at_least(1), default=300)
+    d.add_argument("--concurrency", type=at_least(1), default=4)
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
 
@@ -237,26 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a Mooncake-format trace")
     r.add_argument("trace")
     r.add_argument("--config", help="TOML config (else the --*-blocks flags)")
-    r.add_argument("--gpu-blocks", type=int, default=1024)
-    r.add_argument("--host-blocks", type=int, default=4096)
-    r.add_argument("--disk-blocks", type=int, default=0)
-    r.add_argument("--page-bytes", type=int, default=4096)
-    r.add_argument("--tokens-per-block", type=int, default=512)
+    r.add_argument("--gpu-blocks", type=at_least(1), default=1024)
+    r.add_argument("--host-blocks", type=at_least(0), default=4096)
+    r.add_argument("--disk-blocks", type=at_least(0), default=0)
+    r.add_argument("--page-bytes", type=at_least(2), default=4096)
+    r.add_argument("--tokens-per-block", type=at_least(1), default=512)
     r.add_argument("--device", default="auto")
-    r.add_argument("--limit", type=int)
-    r.add_argument("--concurrency", type=int, default=1)
+    r.add_argument("--limit", type=at_least(1))
+    r.add_argument("--concurrency", type=at_least(1), default=1)
     r.add_argument("--honor-timestamps", action="store_true")
-    r.add_argument("--speed", type=float, default=1.0)
+    r.add_argument("--speed", type=_speed, default=1.0)
     r.add_argument("--strict", action="store_true", help="a malformed line is fatal")
     r.add_argument("--no-content", action="store_true", help="metadata only: no page bytes written or checked")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("stress", help="random concurrent sequences under memory pressure, every page verified")
-    s.add_argument("--ops", type=int, default=2000)
+    s.add_argument("--ops", type=at_least(1), default=2000)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--concurrency", type=int, default=8)
-    s.add_argument("--restarts", type=int, default=2)
+    s.add_argument("--concurrency", type=at_least(1), default=8)
+    s.add_argument("--restarts", type=at_least(0), default=2)
     s.add_argument("--faults", action="store_true")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stress)
@@ -265,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="one page size and a trace slice (about a minute)")
     b.add_argument("--trace", help="trace for the control-plane replay (default: the conversation trace "
                                    "when ../shared/traces is beside the checkout, else the bundled slice)")
-    b.add_argument("--dir", help="where to put the disk files (default: the system temp dir)")
+    b.add_argument("--dir", type=_directory, help="where to put the disk files (default: the system temp dir)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     return p
@@ -274,9 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tune_gc()
-    if getattr(args, "speed", 1.0) <= 0:
-        print("kvtier: --speed must be positive", file=sys.stderr)
-        return 2
     try:
         return args.func(args)
     except KvtierError as exc:

@@ -20,6 +20,8 @@ def load_config(path: str | os.PathLike) -> StoreConfig:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError("config", f"file {os.fspath(path)!r} not found") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("config", f"{os.fspath(path)}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
     return StoreConfig.from_dict(data, base_dir=os.path.dirname(os.path.abspath(path)))

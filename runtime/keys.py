@@ -47,6 +47,8 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
     for t in out:
         if isinstance(t, bool) or not isinstance(t, int):
             raise UsageError(f"token {t!r} is a {type(t).__name__}; tokens are integers")
+        if not -(1 << 63) <= t < 1 << 63:
+            raise UsageError(f"token {t} does not fit in 64 bits")
     return out
 
 

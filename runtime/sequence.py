@@ -66,11 +66,13 @@ class Sequence:
             return
         if self.tokens is None:
             raise UsageError("this sequence was opened with block_keys; append block_keys")
-        self.tokens.extend(check_tokens(tokens))
+        new = check_tokens(tokens)                 # raises before anything changes
         tpb = self.store.cfg.tokens_per_block
         done = len(self.keys)
         parent = self.keys[-1] if self.keys else b""
-        self.keys.extend(hash_blocks(self.tokens[done * tpb:], tpb, self.store.cfg.hash_salt, parent))
+        keys = hash_blocks(self.tokens[done * tpb:] + new, tpb, self.store.cfg.hash_salt, parent)
+        self.tokens.extend(new)
+        self.keys.extend(keys)
 
     async def extend(self, num_blocks: int) -> None:
         """New GPU pages for ``num_blocks`` blocks after the current ones."""
@@ -90,6 +92,7 @@ class Sequence:
         With a CUDA ``stream``, that stream is also made to wait on the pages'
         ready events (the copies have completed when this returns anyway)."""
         self._check_open()
+        self.store._check_stream(stream)
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
         if not self.store._acquire_now(self):
@@ -107,12 +110,14 @@ class Sequence:
 
     def page_indices(self, layer_id: int) -> list[int]:
         """GPU slot per block for ``layer_id``'s pools (-1: no GPU page)."""
+        self._check_open()
         lc = self.store._lc_of_layer(layer_id)
         return [p.slot if p is not None and p.tier == GPU and not p.dead else -1 for p in (b[lc] for b in self.pages)]
 
     def recompute_blocks(self, layer_id: int) -> list[int]:
         """Blocks whose pages for ``layer_id`` hold no cached data (an
         ``OPTIONAL`` page that was not present): the caller recomputes them."""
+        self._check_open()
         lc = self.store._lc_of_layer(layer_id)
         return sorted(b for b, l in self.recompute if l == lc)
 
@@ -139,6 +144,7 @@ class Sequence:
     async def release(self, stream=None) -> None:
         """Unlock: pages become HELD (demotable, never dropped)."""
         self._check_open()
+        self.store._check_stream(stream)
         await self._settle()
         self.store._release(self, stream)
 

@@ -19,6 +19,8 @@ import logging
 import operator
 from typing import Any, Awaitable, Callable, Sequence as Seq
 
+import torch
+
 from tiers.config import StoreConfig
 from tiers.device import Device
 from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
@@ -62,6 +64,8 @@ class Store:
                 self.pool_index[(layer, role)] = i
         # every life cycle is full attention: an acquire needs every page (the common case, a fast path)
         self.reads_all = all(lc.kind != "ssm" and lc.window_tokens is None for lc in self.lcs)
+        # every life cycle PRIVATE: no page is ever shared, so no block is indexed or matched
+        self.shares_nothing = all(lc.reuse is ReusePolicy.PRIVATE for lc in self.lcs)
         # windowed/ssm REQUIRED life cycles: the only pages a match must look at
         self.check_lcs = [lc for lc in self.lcs if lc.reuse is ReusePolicy.REQUIRED
                           and (lc.window_tokens is not None or lc.kind == "ssm")]
@@ -190,8 +194,17 @@ class Store:
     def _lc_of_layer(self, layer_id: int) -> int:
         try:
             return self.layer_lc[layer_id]
-        except KeyError:
+        except (KeyError, TypeError):
             raise UsageError(f"unknown layer id {layer_id!r}") from None
+
+    def _check_stream(self, stream) -> None:
+        """A caller's stream must be a CUDA stream on a CUDA store (checked before anything changes)."""
+        if stream is None:
+            return
+        if not self.device.is_cuda:
+            raise UsageError("stream= needs a CUDA device; this store's GPU tier is emulated in host memory")
+        if not isinstance(stream, torch.cuda.Stream):
+            raise UsageError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
 
     # -- sequences -------------------------------------------------------------------------
     async def open_sequence(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None,
@@ -209,7 +222,7 @@ class Store:
         else:
             token_list, keys = None, check_block_keys(block_keys)
         seq = Sequence(self, keys, token_list, priority)
-        path = self._match(keys)
+        path = [] if self.shares_nothing else self._match(keys)
         seq.matched_blocks = len(path)
         seq.blocks = list(path)
         by_tier = collections.Counter()
@@ -498,8 +511,8 @@ class Store:
         """Unlock exactly the pages this sequence locked (others may share them)."""
         if not seq.acquired:
             return
-        seq.acquired = False
         ev = stream_event(stream)
+        seq.acquired = False
         locked, seq.locked = seq.locked, []
         for p in sorted(locked, key=_STAMP):     # requeued oldest first: the queue's cheap path
             if ev is not None and p.tier == GPU:
@@ -515,7 +528,25 @@ class Store:
                 stream.wait_event(p.ready._event)
 
     # -- commit / close ------------------------------------------------------------------------
+    def _check_commit_keys(self, seq: Sequence, n: int) -> None:
+        """Raise, with nothing changed, if committing blocks up to ``n`` would
+        index a key at a second position (keys not chained, or repeated)."""
+        parent = seq.blocks[seq.committed - 1] if seq.committed else None
+        new: dict[BlockKey, Block] = {}
+        for i in range(seq.committed, n):
+            if parent is not None and not parent.indexed and new.get(parent.key) is not parent:
+                return                  # an ancestor was dropped: the commit stops there
+            key = seq.keys[i]
+            node = self.nodes.get(key)
+            if key in new or (node is not None and (node.parent is not parent or node.depth != i)):
+                raise UsageError(f"block key {key!r} at position {i} is already indexed at another position")
+            if node is None:
+                parent = new[key] = seq.blocks[i]
+            else:
+                parent = node
+
     def _commit(self, seq: Sequence, n: int) -> None:
+        self._check_commit_keys(seq, n)
         start = seq.committed
         on_disk: list[Page] = []
         try:
@@ -529,6 +560,9 @@ class Store:
 
     def _commit_blocks(self, seq: Sequence, n: int, on_disk: list[Page]) -> None:
         """Index blocks ``[0, n)``; pages published while resting on disk go to ``on_disk``."""
+        if self.shares_nothing:         # the sequence keeps its pages; an index entry would serve nothing
+            seq.committed = max(seq.committed, n)
+            return
         for i in range(n):
             block = seq.blocks[i]
             row = seq.pages[i]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
+import math
+from typing import IO
 
 from tiers.errors import UsageError
 
@@ -39,31 +42,39 @@ def _parse(obj: object) -> TraceRequest:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{field} must be a non-negative integer")
     ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise ValueError("timestamp must be a number")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ValueError("timestamp must be a finite number")
     return TraceRequest(float(ts), obj["input_length"], obj["output_length"], tuple(ids))
 
 
+def _open(path: str) -> IO[bytes]:
+    f = open(path, "rb")
+    if f.peek(2)[:2] == b"\x1f\x8b":                 # gzip, as traces are often shipped
+        f.close()
+        return gzip.open(path, "rb")
+    return f
+
+
 def read_trace(path: str, limit: int | None = None, strict: bool = False) -> tuple[list[TraceRequest], list[str]]:
-    """Requests and the problems found (``line N: ...``). With ``strict`` the
-    first malformed line raises TraceError; otherwise it is skipped."""
+    """Requests and the problems found (``line N: ...``), from a JSON-lines
+    file, gzipped or not. With ``strict`` the first malformed line raises
+    TraceError; otherwise it is skipped."""
     out: list[TraceRequest] = []
     problems: list[str] = []
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read trace {path!r}: {exc.strerror}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                out.append(_parse(json.loads(line)))
-            except (ValueError, json.JSONDecodeError) as exc:
-                if strict:
-                    raise TraceError(path, n, str(exc)) from None
-                problems.append(f"line {n}: {exc}")
-                log.warning("%s:%d: skipped malformed line: %s", path, n, exc)
+        with _open(path) as f:
+            for n, raw in enumerate(f, 1):
+                if limit is not None and len(out) >= limit:
+                    break
+                if not raw.strip():
+                    continue
+                try:
+                    out.append(_parse(json.loads(raw.decode("utf-8"))))
+                except (ValueError, RecursionError) as exc:     # bad JSON, bad UTF-8, absurd nesting
+                    if strict:
+                        raise TraceError(path, n, str(exc)) from None
+                    problems.append(f"line {n}: {exc}")
+                    log.warning("%s:%d: skipped malformed line: %s", path, n, exc)
+    except (OSError, EOFError) as exc:                 # unreadable, or a truncated gzip stream
+        raise UsageError(f"cannot read trace {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
     return out, problems

@@ -80,7 +80,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 import runtime  # noqa: E402
-from runtime.cli import tune_gc  # noqa: E402
+from runtime.cli import at_least, tune_gc  # noqa: E402
 
 log = logging.getLogger("kvtier.serve")
 
@@ -178,8 +178,8 @@ async def read_body(request: web.Request, required: bool = True) -> dict:
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:       # bad JSON or UTF-8, or nesting past the parser
+        raise BadRequest(f"malformed JSON: {exc}"[:300]) from None
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
     return body
@@ -737,16 +737,20 @@ async def serve(cfg: runtime.StoreConfig, host: str, port: int) -> int:
     return 0
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a kvtier TOML config (default: the embedded small model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    p.add_argument("--port", type=at_least(0), default=8080, help="0 picks a free port")
     p.add_argument("--disk-dir", help="disk tier directory (kept across restarts; default: a temp dir, removed)")
-    p.add_argument("--gpu-slots", type=int, help="GPU slots per pool group (default 64)")
-    p.add_argument("--host-slots", type=int, help="host slots per pool group (default 128)")
-    p.add_argument("--disk-slots", type=int, help="disk slots per pool group (default 1024)")
+    p.add_argument("--gpu-slots", type=at_least(1), help="GPU slots per pool group (default 64)")
+    p.add_argument("--host-slots", type=at_least(1), help="host slots per pool group (default 128)")
+    p.add_argument("--disk-slots", type=at_least(1), help="disk slots per pool group (default 1024)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"),
                    help="GPU tier device (default: cpu, i.e. emulated, for the embedded model)")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
@@ -772,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
                 disk_dir = tmp_dir = tempfile.mkdtemp(prefix="kvtier-serve-")
             else:
                 os.makedirs(disk_dir, exist_ok=True)
-            cfg = default_config(disk_dir, args.gpu_slots or 64, args.host_slots or 128, args.disk_slots or 1024,
+            cfg = default_config(disk_dir, _or(args.gpu_slots, 64), _or(args.host_slots, 128),
+                                 _or(args.disk_slots, 1024),
                                  device=args.device or "cpu", fsync=args.fsync,
                                  on_mismatch=args.on_mismatch or "error")
         if cfg.disk is not None and cfg.disk.path:

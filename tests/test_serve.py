@@ -322,6 +322,7 @@ async def test_errors_config_file_and_sigint(tmp_path, servers):
         # malformed requests -> 400
         await err("POST", "/sequences", 400, "BadRequest", data=b'{"tokens": [1, 2')
         await err("POST", "/sequences", 400, "BadRequest", data=b"\xff\xfe")
+        await err("POST", "/sequences", 400, "BadRequest", data=b"[" * 100_000)     # nesting past the parser
         await err("POST", "/sequences", 400, "BadRequest", body=[1, 2, 3])
         await err("POST", "/sequences", 400, "BadRequest", body={})
         await err("POST", "/sequences", 400, "BadRequest", body={"tokens": [1], "block_keys": [1]})

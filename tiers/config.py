@@ -104,6 +104,11 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self.tokens_per_block, "tokens_per_block")
+        if isinstance(self.hash_salt, str):
+            self.hash_salt = self.hash_salt.encode()
+        _check_type(self.hash_salt, (bytes,), "hash_salt", "a string or bytes")
+        if not isinstance(self.layers, (list, tuple)) or not all(isinstance(l, LayerSpec) for l in self.layers):
+            raise ConfigError("layers", "must be a list of LayerSpec")
         if (not isinstance(self.default_priority, int) or isinstance(self.default_priority, bool)
                 or not 0 <= self.default_priority <= 100):
             raise ConfigError("default_priority", "must be an integer in 0..100")

@@ -16,6 +16,10 @@ from .policy import ReusePolicy
 KINDS = ("attention", "ssm")
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerSpec:
     id: int
@@ -29,16 +33,39 @@ class LayerSpec:
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
+        if not _is_int(self.id) or self.id < 0:
+            raise ConfigError("layers", f"a layer id must be a non-negative integer, got {self.id!r}")
         f = f"layers[{self.id}]"
+        # the Python API takes what TOML spells: a {role: bytes} table and a policy name
+        if isinstance(self.buffers, dict):
+            object.__setattr__(self, "buffers", tuple(self.buffers.items()))
+        try:
+            buffers = tuple((role, size) for role, size in self.buffers)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{f}.buffers", f"expected (role, bytes) pairs or a {{role: bytes}} table, "
+                                              f"got {self.buffers!r}") from None
+        object.__setattr__(self, "buffers", buffers)
+        object.__setattr__(self, "reuse", ReusePolicy.parse(self.reuse, f"{f}.reuse"))
+        for name in ("kind", "codec", "dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{f}.{name}", f"must be a string, got {getattr(self, name)!r}")
+        if self.sparsity is not None and not isinstance(self.sparsity, str):
+            raise ConfigError(f"{f}.sparsity", f"must be a string or absent, got {self.sparsity!r}")
+        if self.window_tokens is not None and not _is_int(self.window_tokens):
+            raise ConfigError(f"{f}.window_tokens", f"must be an integer, got {self.window_tokens!r}")
+        if not _is_int(self.sink_tokens):
+            raise ConfigError(f"{f}.sink_tokens", f"must be an integer, got {self.sink_tokens!r}")
         if self.kind not in KINDS:
             raise ConfigError(f"{f}.kind", f"unknown kind {self.kind!r} (expected attention or ssm)")
         if not self.buffers:
             raise ConfigError(f"{f}.buffers", "a layer needs at least one buffer")
         roles = [r for r, _ in self.buffers]
+        if not all(isinstance(r, str) and r for r in roles):
+            raise ConfigError(f"{f}.buffers", f"buffer roles must be non-empty strings, got {roles!r}")
         if len(set(roles)) != len(roles):
             raise ConfigError(f"{f}.buffers", "duplicate buffer role")
         for role, size in self.buffers:
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            if not _is_int(size) or size <= 0:
                 raise ConfigError(f"{f}.buffers.{role}", f"bytes per block must be a positive integer, got {size!r}")
         if self.window_tokens is not None and self.window_tokens <= 0:
             raise ConfigError(f"{f}.window_tokens", "must be positive")
