@@ -7,6 +7,7 @@ Callers may pass precomputed keys instead (ints, like the Mooncake trace's
 from __future__ import annotations
 
 import hashlib
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -37,6 +38,13 @@ def hash_blocks(tokens: Sequence[int], tokens_per_block: int, salt: bytes = b"",
     return keys
 
 
+def _as_int(x: object) -> int | None:
+    """``x`` as an int if it is an integer of any kind (numpy's too), not a bool; else None."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        return None
+    return int(x)
+
+
 def check_tokens(tokens: Sequence[int]) -> list[int]:
     """Token ids as a new list of ints; anything else is a UsageError (nothing half-applied)."""
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
@@ -44,11 +52,15 @@ def check_tokens(tokens: Sequence[int]) -> list[int]:
     if hasattr(tokens, "tolist"):          # numpy arrays and torch tensors
         tokens = tokens.tolist()
     out = list(tokens)
-    for t in out:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise UsageError(f"token {t!r} is a {type(t).__name__}; tokens are integers")
-        if not -(1 << 63) <= t < 1 << 63:
-            raise UsageError(f"token {t} does not fit in 64 bits")
+    if not set(map(type, out)) <= {int}:   # the common case (all ints) is checked in C
+        for i, t in enumerate(out):
+            v = _as_int(t)
+            if v is None:
+                raise UsageError(f"token {t!r} is a {type(t).__name__}; tokens are integers")
+            out[i] = v
+    if out and not (-(1 << 63) <= min(out) and max(out) < 1 << 63):
+        bad = next(t for t in out if not -(1 << 63) <= t < 1 << 63)
+        raise UsageError(f"token {bad} does not fit in 64 bits")
     return out
 
 
@@ -65,9 +77,15 @@ def check_block_keys(keys: Sequence[BlockKey]) -> list[BlockKey]:
         if types == {bytes} and b"" in out:
             raise UsageError("block key b'' is reserved (the disk tier's mark for uncommitted pages)")
         return out
-    for k in out:
-        if isinstance(k, bool) or not isinstance(k, (int, bytes)):
+    for i, k in enumerate(out):
+        if isinstance(k, bytes):
+            continue
+        v = _as_int(k)
+        if v is None:
             raise UsageError(f"block key {k!r} is a {type(k).__name__}; keys are int or bytes")
-    if len({type(k) for k in out}) > 1:
+        out[i] = v
+    if len(set(map(type, out))) > 1:
         raise UsageError("block_keys mixes int and bytes keys")
+    if b"" in out:
+        raise UsageError("block key b'' is reserved (the disk tier's mark for uncommitted pages)")
     return out

@@ -307,6 +307,10 @@ class Store:
         per_group = collections.Counter()
         for lc in self.lcs:
             per_group[self.group_of[GPU][lc.index]] += n
+        for g, c in per_group.items():
+            if c > self.allocs[GPU][g].capacity:
+                raise UsageError(f"extending by {n} blocks needs {c} pages of GPU pool group {g}, "
+                                 f"which holds {self.allocs[GPU][g].capacity}")
         return per_group
 
     def _extend_now(self, seq: Sequence, n: int) -> list | None:

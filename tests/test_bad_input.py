@@ -170,3 +170,37 @@ def test_a_trace_that_is_not_text_is_a_clean_replay_error(tmp_path):
                   '{"timestamp": 1e400, "input_length": 1, "output_length": 1, "hash_ids": [2]}\n')
     r = kvtier("replay", str(ok), "--honor-timestamps", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["skipped_lines"] == 1
+
+
+async def test_numpy_integers_are_tokens_and_keys_and_oversized_extends_are_misuse():
+    import numpy as np
+    async with Store.open(config(gpu=8)) as store:
+        seq = await store.open_sequence(tokens=[np.int64(t) for t in range(8)])
+        same = await store.open_sequence(tokens=list(range(8)))
+        assert seq.keys == same.keys
+        keyed = await store.open_sequence(block_keys=[np.int32(5), 6])
+        assert keyed.keys == [5, 6] and all(type(k) is int for k in keyed.keys)
+        with pytest.raises(UsageError, match="holds 8"):
+            await seq.extend(10**30)
+        assert seq.num_blocks == 0
+        for s in (seq, same, keyed):
+            await s.close()
+
+
+def test_quota_with_slots_a_numeric_sparsity_and_odd_layer_ids_are_config_errors():
+    with pytest.raises(ConfigError, match="not both"):
+        StoreConfig(layers=[LayerSpec(0, KV)], gpu=GpuConfig(quota="1MiB", slots=8, device="cpu"))
+    with pytest.raises(ConfigError) as e:
+        LayerSpec(0, KV, sparsity=3)
+    assert e.value.field == "layers[0].sparsity"
+    from tiers.layers import parse_layer_ids
+    with pytest.raises(ConfigError, match="1_0"):
+        parse_layer_ids("1_0", "layers[0].ids")
+
+
+async def test_a_quota_beyond_memory_is_a_config_error():
+    cfg = StoreConfig(layers=[LayerSpec(0, KV)], gpu=GpuConfig(quota=2**50, device="cpu"))
+    with pytest.raises(ConfigError, match="cannot allocate") as e:
+        async with Store.open(cfg):
+            pass
+    assert e.value.field == "tiers.gpu.quota"

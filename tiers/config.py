@@ -61,6 +61,8 @@ class TierConfig:
     def resolve(self, field: str) -> None:
         if self.quota is None and self.slots is None:
             raise ConfigError(f"{field}.quota", "set quota or slots")
+        if self.quota is not None and self.slots is not None:
+            raise ConfigError(f"{field}.slots", "set quota or slots, not both")
         if isinstance(self.reserve, bool) or not isinstance(self.reserve, (int, float)) \
                 or not 0 <= self.reserve <= 0.5:
             raise ConfigError(f"{field}.reserve", f"must be a number in 0..0.5, got {self.reserve!r}")

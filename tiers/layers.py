@@ -190,10 +190,9 @@ def parse_layer_ids(value: "str | int | Sequence[int]", field: str) -> list[int]
         ids = []
         for part in value.replace(" ", "").split(","):
             lo, sep, hi = part.partition("-")
-            try:
-                a, b = int(lo), int(hi) if sep else int(lo)
-            except ValueError:
-                raise ConfigError(field, f"invalid layer id range {part!r}") from None
+            if not (lo.isascii() and lo.isdigit() and (not sep or (hi.isascii() and hi.isdigit()))):
+                raise ConfigError(field, f"invalid layer id range {part!r}")
+            a, b = int(lo), int(hi) if sep else int(lo)
             if b < a:
                 raise ConfigError(field, f"empty layer id range {part!r}")
             ids.extend(range(a, b + 1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .device import Device
+from .errors import ConfigError
 from .grouping import GPU, PoolGroupSpec
 from .slots import SlotAllocator
 
@@ -20,7 +21,12 @@ class SlabPool:
     def __init__(self, spec: PoolGroupSpec, slots: int, device: Device) -> None:
         self.spec = spec
         alloc = device.empty if spec.tier == GPU else device.host_empty
-        self.tensor = alloc(slots, spec.slot_bytes)
+        try:
+            self.tensor = alloc(slots, spec.slot_bytes)
+        except (RuntimeError, MemoryError) as exc:     # torch's out-of-memory errors are RuntimeErrors
+            tier = "gpu" if spec.tier == GPU else "host"
+            raise ConfigError(f"tiers.{tier}.quota", f"cannot allocate {slots} slots of {spec.slot_bytes} bytes "
+                                                     f"for pool group {spec.index}: {str(exc).splitlines()[0]}") from None
         self.allocator = SlotAllocator(slots)
         offs, o = [], 0
         for size in spec.slot_sizes:
