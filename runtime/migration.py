@@ -51,6 +51,16 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``slots`` as a long tensor on ``device``. To CUDA through pinned memory
+    and non-blocking: a pageable host-to-device copy would synchronize the
+    current (copy) stream and stall the event loop that issues it."""
+    idx = torch.as_tensor(slots, dtype=torch.long)
+    if device.type == "cuda":
+        idx = idx.pin_memory().to(device, non_blocking=True)
+    return idx
+
+
 def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``slots`` of ``src`` as a tensor on ``device``: ``out`` when given
@@ -61,10 +71,10 @@ def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
             out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
                 torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
         if src.device == device:
-            torch.index_select(src, 0, torch.as_tensor(slots, dtype=torch.long), out=out)
+            torch.index_select(src, 0, _index(slots, src.device), out=out)
             return out
     elif src.device == device:
-        return src.index_select(0, torch.as_tensor(slots, dtype=torch.long, device=device))
+        return src.index_select(0, _index(slots, device))
     else:
         out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
     for off, first, n in _runs(slots):
@@ -78,7 +88,7 @@ def scatter(dst: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None
     where torch's CPU index_copy_ runs several times slower), else one slice
     copy per run."""
     if dst.is_cuda and rows.is_cuda:
-        dst.index_copy_(0, torch.as_tensor(slots, dtype=torch.long, device=dst.device), rows)
+        dst.index_copy_(0, _index(slots, dst.device), rows)
         return
     runs = _runs(slots)
     if len(runs) > FEW_RUNS and not dst.is_cuda and not rows.is_cuda:
@@ -144,7 +154,7 @@ class MigrationEngine:
             return c.encode(rows, self.lcs[first]) if encode else c.decode(rows, self.lcs[first])
         out = torch.empty((rows.shape[0], width), dtype=torch.uint8, device=rows.device)
         for lc in set(lcs):
-            idx = torch.as_tensor([i for i, l in enumerate(lcs) if l == lc], device=rows.device)
+            idx = _index([i for i, l in enumerate(lcs) if l == lc], rows.device)
             c = self.codecs[lc]
             part = rows.index_select(0, idx)
             out.index_copy_(0, idx, c.encode(part, self.lcs[lc]) if encode else c.decode(part, self.lcs[lc]))
@@ -248,7 +258,7 @@ class MigrationEngine:
             finally:
                 busy[0] += time.perf_counter() - t0
         t_issue = time.perf_counter()
-        ev = stream.submit(timed)
+        ev = stream.submit(timed if stream.kind != "cuda" else job)     # CUDA: timed issue to completion
         await wait_event(ev)
         if stream.kind == "cuda":
             busy[0] += time.perf_counter() - t_issue

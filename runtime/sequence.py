@@ -89,16 +89,15 @@ class Sequence:
 
     async def acquire(self, stream=None) -> None:
         """Bring every page the next step needs to the GPU, locked and ready.
-        With a CUDA ``stream``, that stream is also made to wait on the pages'
-        ready events (the copies have completed when this returns anyway)."""
+        On CUDA, ``stream`` (default: the current stream) is also made to wait
+        on the pages' ready events: those of other sequences' kernels too."""
         self._check_open()
         self.store._check_stream(stream)
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
         if not self.store._acquire_now(self):
             await self.store._run_exclusive(self, self.store._acquire(self), self.store._undo_acquire)
-        if stream is not None:
-            self.store._stream_wait(self, stream)
+        self.store._stream_wait(self, stream)       # on CUDA, the current stream when none is given
 
     def prefetch(self) -> None:
         """Start bringing the pages the next ``acquire`` needs to the GPU in
@@ -142,7 +141,9 @@ class Sequence:
             await asyncio.sleep(0)          # let its done-callbacks (the undo) run
 
     async def release(self, stream=None) -> None:
-        """Unlock: pages become HELD (demotable, never dropped)."""
+        """Unlock: pages become HELD (demotable, never dropped). On CUDA the
+        work queued so far on ``stream`` (default: the current stream) fences
+        the pages: no move copies them before it is done."""
         self._check_open()
         self.store._check_stream(stream)
         await self._settle()

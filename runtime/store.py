@@ -515,7 +515,7 @@ class Store:
         """Unlock exactly the pages this sequence locked (others may share them)."""
         if not seq.acquired:
             return
-        ev = stream_event(stream)
+        ev = stream_event(self._caller_stream(stream))
         seq.acquired = False
         locked, seq.locked = seq.locked, []
         for p in sorted(locked, key=_STAMP):     # requeued oldest first: the queue's cheap path
@@ -525,7 +525,17 @@ class Store:
             if not p.dead:
                 self._requeue(p)
 
+    def _caller_stream(self, stream):
+        """The stream a caller's kernels use: the one given, else (on CUDA)
+        the current one, so pages are fenced by the caller's work either way."""
+        if stream is None and self.device.is_cuda:
+            return torch.cuda.current_stream(self.device.torch_device)
+        return stream
+
     def _stream_wait(self, seq: Sequence, stream) -> None:
+        stream = self._caller_stream(stream)
+        if stream is None:
+            return
         for b, lc in self._needed(seq):
             p = seq.pages[b][lc]
             if p is not None and isinstance(p.ready, CudaEvent):

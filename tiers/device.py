@@ -21,6 +21,9 @@ class Device:
         if spec.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("tiers.gpu.device", f"{spec!r} asked for, but CUDA is not available")
         self.torch_device = torch.device(spec)
+        if self.torch_device.type == "cuda" and self.torch_device.index is None:
+            # an explicit index: set_device needs one, and "cuda" != "cuda:0" when devices are compared
+            self.torch_device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.torch_device.type == "cuda"
         self.pin_host = self.is_cuda if pin_host is None else pin_host
 

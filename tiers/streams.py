@@ -166,7 +166,7 @@ class CudaEvent(Event):
 
     @classmethod
     def on(cls, stream: "torch.cuda.Stream") -> "CudaEvent":
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(stream)
         return cls(ev, _foreign_waiter(stream.device))
 
@@ -196,17 +196,22 @@ class _EventWaiter:
         self._queue.put((event, cb))
 
     def _run(self) -> None:
-        torch.cuda.set_device(self.device)
+        broken: BaseException | None = None
+        try:
+            torch.cuda.set_device(self.device)
+        except BaseException as exc:   # noqa: BLE001 - every waiter gets it, none hangs
+            broken = exc
         while True:
             item = self._queue.get()
             if item is None:
                 return
             event, cb = item
-            error = None
-            try:
-                event.synchronize()
-            except BaseException as exc:   # noqa: BLE001
-                error = exc
+            error = broken
+            if error is None:
+                try:
+                    event.synchronize()
+                except BaseException as exc:   # noqa: BLE001
+                    error = exc
             _invoke(cb, error)
 
     def close(self) -> None:
@@ -243,11 +248,14 @@ class CudaStream:
             try:
                 fn()
             except BaseException as exc:   # noqa: BLE001 - surfaced like a failed host-stream job
+                # copies the job queued before it failed may still write the destination slots,
+                # which go back to the allocator: let them finish first (a rare, short wait)
+                self.stream.synchronize()
                 return _failed(exc)
         return self.record()
 
     def record(self) -> CudaEvent:
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)    # waiters sleep in synchronize() instead of spinning
         ev.record(self.stream)
         return CudaEvent(ev, self._waiter)
 
