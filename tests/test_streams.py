@@ -326,3 +326,23 @@ def test_cuda_stream_order_events_and_callbacks():
     finally:
         a.close()
         b.close()
+
+
+def test_a_failed_wait_fails_the_job_behind_it_instead_of_running_it():
+    from tiers.streams import HostEvent, HostStream
+
+    class Broken(HostEvent):
+        def synchronize(self, timeout=None):
+            raise RuntimeError("the device reported an error")
+    s = HostStream("t")
+    try:
+        ran = []
+        s.wait_event(Broken())
+        ev = s.submit(lambda: ran.append(1))
+        ev.synchronize(5)
+        assert isinstance(ev.error, RuntimeError) and not ran
+        ok = s.submit(lambda: ran.append(2))           # the stream carries on
+        ok.synchronize(5)
+        assert ok.error is None and ran == [2]
+    finally:
+        s.close()

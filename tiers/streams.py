@@ -93,6 +93,9 @@ class HostEvent(Event):
 DONE = HostEvent(done=True)
 
 
+_WAIT = object()      # marks a queued wait on another stream's event
+
+
 class HostStream:
     """An ordered queue of work on one worker thread."""
 
@@ -107,11 +110,22 @@ class HostStream:
         self._thread.start()
 
     def _run(self) -> None:
+        failed_wait: BaseException | None = None     # a wait_event that failed: the next job must not run
         while True:
             item = self._queue.get()
             if item is None:
                 return
             fn, ev = item
+            if ev is _WAIT:
+                try:
+                    fn()
+                except BaseException as exc:   # noqa: BLE001 - fails the job queued after the wait
+                    failed_wait = exc
+                continue
+            if failed_wait is not None and ev is not None:
+                ev.set(failed_wait)
+                failed_wait = None
+                continue
             try:
                 fn()
             except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
@@ -140,7 +154,7 @@ class HostStream:
 
     def wait_event(self, ev: Event) -> None:
         if not ev.query():
-            self._queue.put((ev.synchronize, None))
+            self._queue.put((ev.synchronize, _WAIT))
 
     def synchronize(self) -> None:
         self.record().synchronize()
