@@ -215,36 +215,35 @@ def _check_records(records: list, n: int) -> None:
             raise UsageError(f"block keys must be int or bytes, got {r.key!r} / {r.parent!r}")
 
 
-def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
+    """Run ``op`` (os.pwritev or os.preadv) until every buffer is done, at most
+    IOV_MAX vectors a call; returns the bytes moved. ``short_ok``: stop at the
+    end of the file instead of failing."""
     bufs = [memoryview(b).cast("B") for b in bufs]
-    while bufs:
-        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
+    total, i = 0, 0
+    while i < len(bufs):
+        n = op(fd, bufs[i:i + _IOV_MAX], offset)
         if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
+            if short_ok:
+                break
+            raise OSError(errno.EIO, f"{op.__name__} moved nothing")
+        total += n
         offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
         if n:
-            bufs[0] = bufs[0][n:]
+            bufs[i] = bufs[i][n:]
+    return total
+
+
+def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    _vectored(os.pwritev, fd, bufs, offset, short_ok=False)
 
 
 def _preadv_all(fd: int, bufs: list, offset: int) -> int:
     """Fill ``bufs`` from ``offset``; returns the bytes read (short only at end of file)."""
-    bufs = [memoryview(b).cast("B") for b in bufs]
-    total = 0
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
-        if n <= 0:
-            break
-        total += n
-        offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs.pop(0)
-        if n:
-            bufs[0] = bufs[0][n:]
-    return total
+    return _vectored(os.preadv, fd, bufs, offset, short_ok=True)
 
 
 def _aligned_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
