@@ -893,37 +893,12 @@ class Store:
         run concurrently, one per (source tier, source group, destination
         group). With ``handoff`` the source slots are returned to the caller
         instead of freed. On failure every batch's claims are settled and the
-        first error is raised (after the others finish).
-
-        A page's claim future must mean "this page's move is done". ``_claim``
-        makes one per batch; should a future still span batches (a move to
-        another tier than claimed, with other groups), each batch gets its
-        own and the spanning one, which waiters may hold already, is settled
-        once all batches are."""
+        first error is raised (after the others finish). ``_claim`` made one
+        future per batch, which the batch settles when it lands or fails."""
         src_tier, src_group = pages[0].tier, pages[0].group     # handoff: one source (tier, group)
         batches: dict[tuple[int, int, int], list[Page]] = collections.defaultdict(list)
         for p in sorted(pages, key=lambda p: p.slot):
             batches[(p.tier, p.group, self.group_of[dst_tier][p.lc])].append(p)
-        claims = {id(p.moving): p.moving for p in pages}
-        if len(claims) < len(batches):
-            loop = asyncio.get_running_loop()
-            for batch in batches.values():
-                fut = loop.create_future()
-                fut.to_gpu = getattr(batch[0].moving, "to_gpu", False)
-                for p in batch:
-                    p.moving = fut
-        try:
-            return await self._run_batches(batches, dst_tier, slots, handoff, src_tier, src_group)
-        except BaseException as exc:
-            for fut in claims.values():
-                _settle(fut, exc)
-            raise
-        finally:
-            for fut in claims.values():
-                _settle(fut, None)
-
-    async def _run_batches(self, batches: dict[tuple[int, int, int], list[Page]], dst_tier: int,
-                           slots: dict[int, list[int]], handoff: bool, src_tier: int, src_group: int) -> list[int]:
         if len(batches) == 1:              # the common case: no task, no gather
             (_, _, g), batch = next(iter(batches.items()))
             return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff)
