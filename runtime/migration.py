@@ -51,7 +51,7 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _index(slots: Sequence[int], device: torch.device) -> torch.Tensor:
+def index_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
     """``slots`` as a long tensor on ``device``. To CUDA through pinned memory
     and non-blocking: a pageable host-to-device copy would synchronize the
     current (copy) stream and stall the event loop that issues it."""
@@ -71,10 +71,10 @@ def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
             out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
                 torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
         if src.device == device:
-            torch.index_select(src, 0, _index(slots, src.device), out=out)
+            torch.index_select(src, 0, index_tensor(slots, src.device), out=out)
             return out
     elif src.device == device:
-        return src.index_select(0, _index(slots, device))
+        return src.index_select(0, index_tensor(slots, device))
     else:
         out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
     for off, first, n in _runs(slots):
@@ -88,7 +88,7 @@ def scatter(dst: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None
     where torch's CPU index_copy_ runs several times slower), else one slice
     copy per run."""
     if dst.is_cuda and rows.is_cuda:
-        dst.index_copy_(0, _index(slots, dst.device), rows)
+        dst.index_copy_(0, index_tensor(slots, dst.device), rows)
         return
     runs = _runs(slots)
     if len(runs) > FEW_RUNS and not dst.is_cuda and not rows.is_cuda:
@@ -154,7 +154,7 @@ class MigrationEngine:
             return c.encode(rows, self.lcs[first]) if encode else c.decode(rows, self.lcs[first])
         out = torch.empty((rows.shape[0], width), dtype=torch.uint8, device=rows.device)
         for lc in set(lcs):
-            idx = _index([i for i, l in enumerate(lcs) if l == lc], rows.device)
+            idx = index_tensor([i for i, l in enumerate(lcs) if l == lc], rows.device)
             c = self.codecs[lc]
             part = rows.index_select(0, idx)
             out.index_copy_(0, idx, c.encode(part, self.lcs[lc]) if encode else c.decode(part, self.lcs[lc]))

@@ -81,6 +81,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noq
 
 import runtime  # noqa: E402
 from runtime.cli import at_least, tune_gc  # noqa: E402
+from runtime.migration import index_tensor  # noqa: E402
 
 log = logging.getLogger("kvtier.serve")
 
@@ -469,7 +470,7 @@ class ServerState:
             keys = [seq.keys[i] for i in todo]
             for role, nbytes in roles:
                 pool = store.pool_tensor(layer, role)
-                slots = torch.tensor([idx[i] for i in todo], dtype=torch.long, device=pool.device)
+                slots = index_tensor([idx[i] for i in todo], pool.device)
                 pool.index_copy_(0, slots, self._expected(keys, layer, role, nbytes, pool.device))
                 written += len(todo)
             sess.written.update((i, layer) for i in todo)
@@ -491,7 +492,7 @@ class ServerState:
             keys = [seq.keys[i] for i in present]
             for role, nbytes in roles:
                 pool = store.pool_tensor(layer, role)
-                slots = torch.tensor([idx[i] for i in present], dtype=torch.long, device=pool.device)
+                slots = index_tensor([idx[i] for i in present], pool.device)
                 same = (pool.index_select(0, slots) == self._expected(keys, layer, role, nbytes, pool.device)).all(1)
                 n_ok = int(same.sum())
                 ok += n_ok
