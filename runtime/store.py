@@ -78,6 +78,7 @@ class Store:
         self.discarded = 0
         self.orphaned = 0
         self._tasks: set[asyncio.Task] = set()
+        self._relabel_at_unclaim: set[Page] = set()   # published while a claim held them (see _published_cold)
         self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
         self.device: Device | None = None
         self.disk = None
@@ -546,16 +547,19 @@ class Store:
         """Raise, with nothing changed, if committing blocks up to ``n`` would
         index a key at a second position (keys not chained, or repeated)."""
         parent = seq.blocks[seq.committed - 1] if seq.committed else None
-        new: dict[BlockKey, Block] = {}
+        new_keys: set[BlockKey] = set()
+        new_blocks: set[int] = set()    # by identity: a block extended before its key was known has none yet
         for i in range(seq.committed, n):
-            if parent is not None and not parent.indexed and new.get(parent.key) is not parent:
+            if parent is not None and not parent.indexed and id(parent) not in new_blocks:
                 return                  # an ancestor was dropped: the commit stops there
             key = seq.keys[i]
             node = self.nodes.get(key)
-            if key in new or (node is not None and (node.parent is not parent or node.depth != i)):
+            if key in new_keys or (node is not None and (node.parent is not parent or node.depth != i)):
                 raise UsageError(f"block key {key!r} at position {i} is already indexed at another position")
             if node is None:
-                parent = new[key] = seq.blocks[i]
+                parent = seq.blocks[i]
+                new_keys.add(key)
+                new_blocks.add(id(parent))
             else:
                 parent = node
 
@@ -606,8 +610,7 @@ class Store:
                         p.published = True
                         if not p.locks:         # a locked page stays out of the queues either way
                             self._requeue(p)
-                        if p.tier == DISK and p.moving is None:
-                            on_disk.append(p)
+                        self._published_cold(p, on_disk)
             else:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i, on_disk)
@@ -631,8 +634,17 @@ class Store:
             p.published = True
             node.pages[lc] = p
             self._requeue(p)
-            if p.tier == DISK and p.moving is None:
-                on_disk.append(p)
+            self._published_cold(p, on_disk)
+
+    def _published_cold(self, p: Page, on_disk: list[Page]) -> None:
+        """``p`` was just published. If it rests on disk, its journal record
+        is the anonymous one it was written with: relabel it (``on_disk``).
+        If a claim holds it, whatever the move does, relabel it when the
+        claim ends (``_unclaim``) in case it is on disk then."""
+        if p.moving is not None:
+            self._relabel_at_unclaim.add(p)
+        elif p.tier == DISK:
+            on_disk.append(p)
 
     def _relabel(self, pages: Seq[Page]) -> None:
         """Pages published after they reached the disk carry anonymous
@@ -795,6 +807,10 @@ class Store:
                 self._release_slot(p.tier, p.group, p.slot, p.ready)
             else:
                 self._requeue(p)
+        if self._relabel_at_unclaim:
+            later = [p for p in pages if p in self._relabel_at_unclaim]
+            self._relabel_at_unclaim.difference_update(later)
+            self._relabel(later)                # those that ended on disk
 
     async def _obtain_many(self, tier: int, counts: dict[int, int]) -> dict[int, list[int]]:
         """Slots in several groups of one tier, all or none."""
@@ -877,6 +893,7 @@ class Store:
             else:
                 return await self._move_claimed(victims, nxt, slots, handoff=True)
         freed = []
+        self._relabel_at_unclaim.difference_update(victims)
         for v in sorted(victims, key=lambda v: -v.block.depth):
             _settle(v.moving, None)
             v.moving, v.moving_to = None, -1
@@ -924,7 +941,6 @@ class Store:
                           handoff: bool) -> list[int]:
         alloc = self.allocs[dst_tier][g]
         fences = [alloc.fences[s] for s in dst_slots]
-        anonymous = [p for p in batch if not p.published] if dst_tier == DISK else None   # as the records say
         try:
             ev = await self.engine.run(batch, dst_tier, g, dst_slots, fences)
         except BaseException as exc:
@@ -933,8 +949,6 @@ class Store:
             self._unclaim(batch, exc)
             if isinstance(exc, CorruptPageError):
                 self._discard_corrupt(batch, set(getattr(exc, "slots", ())))
-            if batch[0].tier == DISK:     # committed during the failed move: their record may be anonymous
-                self._relabel([p for p in batch if p.published])
             raise
         src_tier, src_group = batch[0].tier, batch[0].group
         src_owners, dst_owners = self.owners[src_tier][src_group], self.owners[dst_tier][g]
@@ -949,8 +963,6 @@ class Store:
             self.allocs[src_tier][src_group].release(freed, ev)
             freed = []
         self._unclaim(batch, None)
-        if anonymous:
-            self._relabel([p for p in anonymous if p.published])    # committed while the write ran
         return freed
 
     def _discard_corrupt(self, batch: list[Page], bad: set[int]) -> None:

@@ -204,3 +204,15 @@ async def test_a_quota_beyond_memory_is_a_config_error():
         async with Store.open(cfg):
             pass
     assert e.value.field == "tiers.gpu.quota"
+
+
+async def test_a_commit_precheck_follows_blocks_extended_before_their_keys_were_known():
+    async with Store.open(config(gpu=8)) as store:
+        seq = await store.open_sequence(block_keys=[1])
+        await seq.acquire()
+        await seq.extend(3)                           # blocks 1 and 2 have no key yet
+        seq.append(block_keys=[2, 1])                 # key 1 again, at depth 2
+        with pytest.raises(UsageError, match="already indexed"):
+            seq.commit(3)
+        assert seq.committed == 0 and not store.nodes
+        await seq.close()

@@ -283,3 +283,32 @@ async def test_recovered_pages_are_evicted_deepest_first(tmp_path):
             gone.add(id(p.block))
         for p in order:                               # back in the queue, so the store closes cleanly
             store._requeue(p)
+
+
+async def test_pages_committed_while_a_claim_holds_them_get_their_keys_when_it_ends(tmp_path):
+    """A prefetch claims disk pages, the commit publishes them, and the
+    prefetch then gives up (the GPU is all locked): the claim's end must
+    relabel them, or the restart loses the prefix (found in review)."""
+    cfg = lambda: config(gpu=4, disk=64, disk_dir=tmp_path)    # noqa: E731
+    async with Store.open(cfg()) as store:
+        a = await store.open_sequence(tokens=toks(0, 2))
+        await a.acquire()
+        await a.extend(2)
+        write_blocks(store, a, range(2))
+        await a.release()                             # held, not committed
+        b = await store.open_sequence(tokens=toks(1, 4))
+        await b.acquire()
+        await b.extend(4)                             # pushes a's pages to disk, anonymous
+        await store.drain()
+        assert all(p.tier == DISK for row in a.pages for p in row)
+        a.prefetch()                                  # claims them; its task has not run yet
+        a.commit(2)                                   # published while claimed
+        await store.drain()                           # the prefetch finds every GPU slot locked and lets go
+        assert all(p.tier == DISK and p.published for row in a.pages for p in row)
+        await b.release()
+        await b.close()
+        await a.close()
+    async with Store.open(cfg()) as store:
+        seq = await store.open_sequence(tokens=toks(0, 2))
+        assert seq.matched_blocks == 2
+        await seq.close()

@@ -504,6 +504,8 @@ class DiskTier:
             try:
                 self._checkpoint_locked(g)
             except OSError as e:       # the repaired journal serves as it is; the next compaction retries
+                if g.broken is not None:   # ... unless the group lost its journal fd: refuse to open
+                    raise
                 log.warning("disk tier: compacting group %d's journal at open failed: %s", g.index, e)
         self.recovered = sorted(
             (RecoveredPage(g.index, s, e[0], e[2]) for g in self.groups for s, e in g.entries.items()),
