@@ -185,27 +185,17 @@ def store_config(p: Point, geo: Geometry, buffer_bytes: int, disk_dir: str, fsyn
     )
 
 
-def _ints(text: str | None, flag: str) -> list[int] | None:
+def _numbers(text: str | None, flag: str, cast: type = int) -> list | None:
+    """A comma-separated list of non-negative ``cast`` values (None when the flag is absent)."""
     if text is None:
         return None
+    what = "integers" if cast is int else "numbers"
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        vals = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise UsageError(f"{flag}: expected non-negative integers, got {text!r}")
-    return vals
-
-
-def _floats(text: str | None, flag: str) -> list[float] | None:
-    if text is None:
-        return None
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+        raise UsageError(f"{flag}: expected comma-separated {what}, got {text!r}") from None
     if not vals or any(not math.isfinite(v) or v < 0 for v in vals):
-        raise UsageError(f"{flag}: expected non-negative numbers, got {text!r}")
+        raise UsageError(f"{flag}: expected non-negative {what}, got {text!r}")
     return vals
 
 
@@ -257,9 +247,9 @@ def plan(args, stats: dict) -> tuple[list[Point], bool]:
         except KvtierError as e:
             raise UsageError(str(e)) from None
     geos = {c: geometry(args.buffer_bytes, c) for c in codecs}
-    gpu = _ints(args.gpu, "--gpu")
-    host, disk = _ints(args.host, "--host"), _ints(args.disk, "--disk")
-    host_mib, disk_mib = _floats(args.host_mib, "--host-mib"), _floats(args.disk_mib, "--disk-mib")
+    gpu = _numbers(args.gpu, "--gpu")
+    host, disk = _numbers(args.host, "--host"), _numbers(args.disk, "--disk")
+    host_mib, disk_mib = _numbers(args.host_mib, "--host-mib", float), _numbers(args.disk_mib, "--disk-mib", float)
     if (host or disk) and (host_mib or disk_mib or args.equal_bytes):
         raise UsageError("give capacities in blocks (--host/--disk) or in MiB (--host-mib/--disk-mib), not both")
     zipped = args.zip
