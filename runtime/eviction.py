@@ -72,6 +72,28 @@ class EvictionQueue:
             page.qentry = entry
         self._live += 1
 
+    def push_many(self, pages) -> None:
+        """``push`` each page; in ascending stamp order (as moves and releases
+        give them) every page appends, with one tail check per priority run."""
+        classes, prio, n = self._classes, None, 0
+        for page in pages:
+            if page.priority != prio:
+                prio = page.priority
+                c = classes.get(prio) or self._class(prio)
+                order = c.order
+                tail = next(reversed(order)).stamp if order else -1
+            stamp = page.stamp
+            if tail <= stamp:
+                order[page] = None
+                page.qentry = IN_ORDER
+                tail = stamp
+            else:
+                entry = [stamp, next(self._tiebreak), page]
+                heapq.heappush(c.late, entry)
+                page.qentry = entry
+            n += 1
+        self._live += n
+
     def touch(self, page: Any) -> None:
         """``page`` (queued) just got the newest stamp."""
         c = self._classes[page.priority]
@@ -123,16 +145,18 @@ class EvictionQueue:
                         page.qentry = None
                         out.append(page)
                     break
-                if order:
+                limit = top[0]          # take in-order pages up to the late head's stamp in one run
+                while order and len(out) < n:
                     first = next(iter(order))
-                    if first.stamp <= top[0]:
-                        del order[first]
-                        first.qentry = None
-                        out.append(first)
-                        continue
-                page = heapq.heappop(c.late)[2]
-                page.qentry = None
-                out.append(page)
+                    if first.stamp > limit:
+                        break
+                    del order[first]
+                    first.qentry = None
+                    out.append(first)
+                if len(out) < n:
+                    page = heapq.heappop(c.late)[2]
+                    page.qentry = None
+                    out.append(page)
             if len(out) >= n:
                 break
         self._live -= len(out)

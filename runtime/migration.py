@@ -291,13 +291,14 @@ class MigrationEngine:
     def records_of(self, pages: Sequence[Page]) -> list:
         """The disk journal records of ``pages`` (anonymous for uncommitted ones)."""
         out = []
-        for p in pages:
-            b = p.block
+        append = out.append
+        for p in pages:     # fields by position: this runs per page spilled, keywords cost twice as much
             if p.published:
-                out.append(PageRecord(key=b.key, parent=b.parent.key if b.parent is not None else None,
-                                      depth=b.depth, life_cycle=p.lc, priority=p.priority))
+                b = p.block
+                parent = b.parent
+                append(PageRecord(b.key, parent.key if parent is not None else None, b.depth, p.lc, p.priority))
             else:       # a sequence's own page: its content is not committed, never recover it
-                out.append(PageRecord(key=ANONYMOUS_KEY, parent=None, depth=0, life_cycle=p.lc, priority=p.priority))
+                append(PageRecord(ANONYMOUS_KEY, None, 0, p.lc, p.priority))
         return out
 
     def _dst_width(self, tier: int, group: int) -> int:

@@ -41,6 +41,7 @@ from .sequence import Sequence
 
 log = logging.getLogger("kvtier")
 _STAMP = operator.attrgetter("stamp")
+_SLOT = operator.attrgetter("slot")
 
 
 class Store:
@@ -519,12 +520,12 @@ class Store:
         ev = stream_event(self._caller_stream(stream))
         seq.acquired = False
         locked, seq.locked = seq.locked, []
-        for p in sorted(locked, key=_STAMP):     # requeued oldest first: the queue's cheap path
+        locked.sort(key=_STAMP)                 # requeued oldest first: the queue's cheap path
+        for p in locked:
             if ev is not None and p.tier == GPU:
                 p.ready = ev
             p.locks -= 1
-            if not p.dead:
-                self._requeue(p)
+        self._queue_all(locked)
 
     def _caller_stream(self, stream):
         """The stream a caller's kernels use: the one given, else (on CUDA)
@@ -708,6 +709,24 @@ class Store:
         elif evictable:
             self.queues[p.tier][p.group].push(p)
 
+    def _queue_all(self, pages: list[Page]) -> None:
+        """Queue the evictable pages among ``pages`` (none queued, ascending
+        stamps): one ``push_many`` per run bound for the same queue, instead
+        of a ``_requeue`` per page (a move or a release does this by the batch)."""
+        queues, q, run = self.queues, None, []
+        evictable = self._evictable
+        for p in pages:
+            if p.qentry is not None or not evictable(p):
+                continue
+            dst = queues[p.tier][p.group]
+            if dst is not q:
+                if run:
+                    q.push_many(run)
+                q, run = dst, []
+            run.append(p)
+        if run:
+            q.push_many(run)
+
     def _unqueue(self, p: Page) -> None:
         if p.qentry is not None:
             self.queues[p.tier][p.group].remove(p)
@@ -784,20 +803,22 @@ class Store:
         to_gpu = to_tier == GPU and propagate
         dst_group = self.group_of[to_tier]    # drops (-1) key by the disk's groups: any stable key does
         futs: dict[tuple[int, int, int], asyncio.Future] = {}
+        key = None
         for p in pages:
             assert not p.dead, f"claiming a freed page {p}"
-            key = (p.tier, p.group, dst_group[p.lc])
-            fut = futs.get(key)
-            if fut is None:
-                fut = futs[key] = loop.create_future()
-                fut.to_gpu = to_gpu
+            if key is None or p.tier != key[0] or p.group != key[1] or dst_group[p.lc] != key[2]:
+                key = (p.tier, p.group, dst_group[p.lc])    # batch pages mostly share the previous one's
+                fut = futs.get(key)
+                if fut is None:
+                    fut = futs[key] = loop.create_future()
+                    fut.to_gpu = to_gpu
             p.moving = fut
             p.moving_to = to_tier
             if p.qentry is not None:
                 self.queues[p.tier][p.group].remove(p)
 
     def _unclaim(self, pages: Seq[Page], exc: BaseException | None) -> None:
-        fut = None
+        fut, back = None, []
         for p in sorted(pages, key=_STAMP):      # requeued oldest first: the queue's cheap path
             if p.moving is not fut:
                 fut = p.moving
@@ -806,7 +827,8 @@ class Store:
             if p.dead:
                 self._release_slot(p.tier, p.group, p.slot, p.ready)
             else:
-                self._requeue(p)
+                back.append(p)
+        self._queue_all(back)
         if self._relabel_at_unclaim:
             later = [p for p in pages if p in self._relabel_at_unclaim]
             self._relabel_at_unclaim.difference_update(later)
@@ -913,12 +935,14 @@ class Store:
         first error is raised (after the others finish). ``_claim`` made one
         future per batch, which the batch settles when it lands or fails."""
         src_tier, src_group = pages[0].tier, pages[0].group     # handoff: one source (tier, group)
+        pages = sorted(pages, key=_SLOT)
+        dst_of = self.group_of[dst_tier]
+        if len(slots) == 1 and (handoff or all(p.tier == src_tier and p.group == src_group for p in pages)):
+            (g, mine), = slots.items()     # the common case, one batch: no task, no gather
+            return await self._move_batch(pages, dst_tier, g, sorted(mine[:len(pages)]), handoff)
         batches: dict[tuple[int, int, int], list[Page]] = collections.defaultdict(list)
-        for p in sorted(pages, key=lambda p: p.slot):
-            batches[(p.tier, p.group, self.group_of[dst_tier][p.lc])].append(p)
-        if len(batches) == 1:              # the common case: no task, no gather
-            (_, _, g), batch = next(iter(batches.items()))
-            return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff)
+        for p in pages:
+            batches[(p.tier, p.group, dst_of[p.lc])].append(p)
         jobs = []
         for (_, _, g), batch in batches.items():
             mine = sorted(slots[g][:len(batch)])

@@ -18,7 +18,7 @@ class P:
         return f"P{self.name}(prio={self.priority}, stamp={self.stamp})"
 
 
-ops = st.lists(st.tuples(st.sampled_from(["push_new", "push_old", "touch", "remove", "pop"]),
+ops = st.lists(st.tuples(st.sampled_from(["push_new", "push_old", "push_many", "touch", "remove", "pop"]),
                          st.integers(0, 3), st.integers(0, 1000)), max_size=300)
 
 
@@ -40,6 +40,15 @@ def test_pops_follow_priority_then_stamp(script):
             p = out.pop(r % len(out))           # comes back with the stamp it had (a demoted page)
             q.push(p)
             queued[p.name] = p
+        elif op == "push_many" and out:
+            # a batch coming back (a move landing): mostly ascending stamps, maybe mixed priorities
+            batch = [out.pop(i % len(out)) for i in range(min(len(out), r % 7 + 1))]
+            batch.sort(key=lambda p: p.stamp if r % 3 else -p.stamp)
+            for i, p in enumerate(batch):
+                if r % 2:
+                    p.priority = (prio + i) % 4
+            q.push_many(batch)
+            queued.update((p.name, p) for p in batch)
         elif op == "touch" and queued:
             p = list(queued.values())[r % len(queued)]
             clock += 1
