@@ -29,17 +29,18 @@ class Page:
     __slots__ = ("block", "lc", "tier", "group", "slot", "locks", "holders", "published",
                  "priority", "stamp", "qentry", "moving", "moving_to", "ready", "dead")
 
-    def __init__(self, block: Block | None, lc: int, tier: int, group: int, slot: int, priority: int) -> None:
+    def __init__(self, block: Block | None, lc: int, tier: int, group: int, slot: int, priority: int,
+                 holders: int = 0, locks: int = 0, stamp: int = 0) -> None:
         self.block = block
         self.lc = lc
         self.tier = tier
         self.group = group
         self.slot = slot
-        self.locks = 0
-        self.holders = 0
+        self.locks = locks
+        self.holders = holders
         self.published = False
         self.priority = priority
-        self.stamp = 0
+        self.stamp = stamp
         self.qentry: list | None = None
         self.moving: asyncio.Future | None = None
         self.moving_to = -1

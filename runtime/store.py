@@ -66,7 +66,8 @@ class Store:
         # every life cycle is full attention: an acquire needs every page (the common case, a fast path)
         self.reads_all = all(lc.kind != "ssm" and lc.window_tokens is None for lc in self.lcs)
         # every life cycle PRIVATE: no page is ever shared, so no block is indexed or matched
-        self.shares_nothing = all(lc.reuse is ReusePolicy.PRIVATE for lc in self.lcs)
+        self.private = [lc.reuse is ReusePolicy.PRIVATE for lc in self.lcs]
+        self.shares_nothing = all(self.private)
         # windowed/ssm REQUIRED life cycles: the only pages a match must look at
         self.check_lcs = [lc for lc in self.lcs if lc.reuse is ReusePolicy.REQUIRED
                           and (lc.window_tokens is not None or lc.kind == "ssm")]
@@ -227,7 +228,7 @@ class Store:
         path = [] if self.shares_nothing else self._match(keys)
         seq.matched_blocks = len(path)
         seq.blocks = list(path)
-        by_tier = collections.Counter()
+        by_tier = [0] * (len(TIER_NAMES) + 1)     # blocks by their coldest page's tier; [-1]: no page
         held = []
         last = self.last_tier
         for node in path:
@@ -240,12 +241,12 @@ class Store:
                     if p.tier == last:
                         self._requeue(p)    # a held page leaves the last tier's drop queue
                     held.append(p)
-                    coldest = max(coldest, p.tier)
-            if coldest >= 0:
-                by_tier[TIER_NAMES[coldest]] += 1
+                    if p.tier > coldest:
+                        coldest = p.tier
+            by_tier[coldest] += 1
         seq.committed = len(path)
-        seq.matched_by_tier = {name: by_tier[name] for name in TIER_NAMES}
-        self.hits.update(by_tier)
+        seq.matched_by_tier = dict(zip(TIER_NAMES, by_tier))
+        self.hits.update(seq.matched_by_tier)
         self.lookup_blocks += len(keys)
         self._touch(reversed(held))
         return seq
@@ -359,12 +360,7 @@ class Store:
                 fence = gpu_fences[g][slot]
                 if fence is not None:
                     fences.append(fence)
-                p = Page(block, lc, GPU, g, slot, priority)
-                owners[g][slot] = p
-                p.holders = 1
-                p.locks = locks
-                p.stamp = stamp + lc + 1
-                row[lc] = p
+                row[lc] = owners[g][slot] = Page(block, lc, GPU, g, slot, priority, 1, locks, stamp + lc + 1)
             seq.blocks.append(block)
             seq.pages.append(list(row))
             parent = block
@@ -582,6 +578,7 @@ class Store:
         if self.shares_nothing:         # the sequence keeps its pages; an index entry would serve nothing
             seq.committed = max(seq.committed, n)
             return
+        private = self.private
         for i in range(n):
             block = seq.blocks[i]
             row = seq.pages[i]
@@ -605,13 +602,14 @@ class Store:
                 for p in row:
                     if p is None:
                         continue
-                    if self.lcs[p.lc].reuse is ReusePolicy.PRIVATE or p.dead:
+                    if private[p.lc] or p.dead:
                         block.pages[p.lc] = None        # the sequence keeps it; the index never sees it
                     else:
                         p.published = True
                         if not p.locks:         # a locked page stays out of the queues either way
                             self._requeue(p)
-                        self._published_cold(p, on_disk)
+                        if p.moving is not None or p.tier == DISK:
+                            self._published_cold(p, on_disk)
             else:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i, on_disk)
@@ -620,7 +618,7 @@ class Store:
     def _adopt(self, node: Block, row: list[Page | None], seq: Sequence, i: int, on_disk: list[Page]) -> None:
         """Publish ``row``'s pages into ``node`` where it has none (or only an idle colder copy)."""
         for lc, p in enumerate(row):
-            if p is None or p.dead or p.published or self.lcs[lc].reuse is ReusePolicy.PRIVATE:
+            if p is None or p.dead or p.published or self.private[lc]:
                 continue
             if (i, lc) in seq.recompute and self.lcs[lc].reuse is not ReusePolicy.OPTIONAL:
                 continue
