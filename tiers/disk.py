@@ -202,17 +202,27 @@ def _typed(exc: OSError, what: str) -> OSError:
 
 
 def _is_key(k: Any) -> bool:
-    return isinstance(k, (int, bytes)) and not isinstance(k, bool)
+    t = type(k)         # exact types first: this runs per page written
+    return t is int or t is bytes or (isinstance(k, (int, bytes)) and not isinstance(k, bool))
 
 
 def _check_records(records: list, n: int) -> None:
     if len(records) != n:
         raise UsageError(f"{n} slots but {len(records)} records")
     for r in records:
-        if not isinstance(r, PageRecord):
+        if type(r) is not PageRecord and not isinstance(r, PageRecord):
             raise UsageError(f"records must be PageRecord, got {type(r).__name__}")
         if not _is_key(r.key) or not (r.parent is None or _is_key(r.parent)):
             raise UsageError(f"block keys must be int or bytes, got {r.key!r} / {r.parent!r}")
+
+
+def _row_block(arr: np.ndarray, rows: list[int], g: _Group) -> memoryview | None:
+    """Rows ``rows`` of ``arr`` as one byte buffer when they are consecutive,
+    ascending and packed as the segment holds them (no padding): then a
+    piece moves as one buffer instead of one vector per row."""
+    if g.pad or arr.strides[0] != g.slot_bytes or rows != list(range(rows[0], rows[0] + len(rows))):
+        return None
+    return memoryview(arr[rows[0]:rows[0] + len(rows)]).cast("B")
 
 
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
@@ -750,7 +760,7 @@ class DiskTier:
 
     def _check_slots(self, g: _Group, slots: list[int]) -> None:
         for s in slots:
-            if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < g.slots:
+            if (type(s) is not int and (not isinstance(s, int) or isinstance(s, bool))) or not 0 <= s < g.slots:
                 raise UsageError(f"slot {s!r} is outside disk group {g.index}'s {g.slots} slots")
         if len(set(slots)) != len(slots):
             raise UsageError(f"duplicate slots in one call on disk group {g.index}")
@@ -1102,12 +1112,19 @@ class DiskTier:
                 self._bounce_put(bounce)
             return tck
         t = time.perf_counter()
-        bufs = []
-        for i in rows:
-            csums[i] = h(arr[i])
-            bufs.append(arr[i])
-            if g.pad:
-                bufs.append(g.pad)
+        block = _row_block(arr, rows, g)
+        if block is not None:       # the rows lie as they go on disk: one buffer, rows hashed in place
+            sb = g.slot_bytes
+            for k, i in enumerate(rows):
+                csums[i] = h(block[k * sb:(k + 1) * sb])
+            bufs = [block]
+        else:
+            bufs = []
+            for i in rows:
+                csums[i] = h(arr[i])
+                bufs.append(arr[i])
+                if g.pad:
+                    bufs.append(g.pad)
         tck = time.perf_counter() - t
         _pwritev_all(g.seg_fd, bufs, off)
         return tck
@@ -1140,12 +1157,19 @@ class DiskTier:
                 return short, bad, tck
             finally:
                 self._bounce_put(bounce)
-        bufs = []
-        pad = memoryview(bytearray(len(g.pad))) if g.pad else None   # per call: pieces run in parallel
-        for i in rows:
-            bufs.append(out[i])
-            if pad is not None:
-                bufs.append(pad)
+        block = _row_block(out, rows, g)
+        if block is not None:       # the rows lie as they are on disk: one buffer, rows hashed in place
+            bufs = [block]
+            sb = g.slot_bytes
+            row_of = [block[k * sb:(k + 1) * sb] for k in range(b - a)]
+        else:
+            bufs = []
+            pad = memoryview(bytearray(len(g.pad))) if g.pad else None   # per call: pieces run in parallel
+            for i in rows:
+                bufs.append(out[i])
+                if pad is not None:
+                    bufs.append(pad)
+            row_of = [out[i] for i in rows]
         got = _preadv_all(g.read_fd, bufs, off)
         if g.direct and not self.o_direct_reads:
             # cold pages just promoted: do not keep a second copy in the page cache
@@ -1154,7 +1178,7 @@ class DiskTier:
         for k, i in enumerate(rows):
             if got < k * g.stride + g.slot_bytes:
                 short.append(i)
-            elif h(out[i]) != entries[sorted_slots[a + k]][1]:
+            elif h(row_of[k]) != entries[sorted_slots[a + k]][1]:
                 bad.append(i)
         return short, bad, time.perf_counter() - t
 
