@@ -96,6 +96,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -199,6 +200,11 @@ def _typed(exc: OSError, what: str) -> OSError:
     if exc.errno in _FULL:
         return DiskFullError(exc.errno, msg)
     return TierIOError(exc.errno if exc.errno is not None else errno.EIO, msg)
+
+
+def _write_record(slot: int, gen: int, csum: int, r: "PageRecord") -> list:
+    """A page's journal record: the write tag, slot, generation, checksum, then the PageRecord's fields."""
+    return [_REC_WRITE, slot, gen, csum, *r]
 
 
 def _is_key(k: Any) -> bool:
@@ -857,8 +863,7 @@ class DiskTier:
             pending = len(chunks[0])
             items = sorted(g.entries.items(), key=lambda kv: kv[1][2])
             for i in range(0, len(items), 4096):
-                recs = [[_REC_WRITE, s, e[2], e[1], e[0].key, e[0].parent, e[0].depth, e[0].life_cycle,
-                         e[0].priority] for s, e in items[i:i + 4096]]
+                recs = [_write_record(s, e[2], e[1], e[0]) for s, e in items[i:i + 4096]]
                 f = _frame(recs)
                 chunks.append(f)
                 live += len(f)
@@ -1051,16 +1056,16 @@ class DiskTier:
             if self._closed:
                 raise StoreClosedError("disk tier is closed")
             self._usable(g)
-            for s in slots:
-                if s in g.entries:
-                    raise UsageError(f"slot {s} of disk group {g.index} holds a live page; free it first")
+            if not g.entries.keys().isdisjoint(slots):
+                s = next(s for s in slots if s in g.entries)
+                raise UsageError(f"slot {s} of disk group {g.index} holds a live page; free it first")
             t1 = time.perf_counter()
             csums = [0] * n
             order = sorted(range(n), key=slots.__getitem__)
             sorted_slots = [slots[i] for i in order]
             self._ensure_size(g, (sorted_slots[-1] + 1) * g.stride)
             # 1. frees of the target slots must be durable before their old bytes are overwritten
-            if any(s in g.pending_free for s in slots):
+            if not g.pending_free.keys().isdisjoint(slots):
                 self._append(g, self._free_records(g))
                 g.pending_free.clear()
             # 2. the data, then a barrier
@@ -1076,13 +1081,13 @@ class DiskTier:
             # 3. the records (with any other pending frees of the group), then a barrier
             gen = self._take_gens(n)
             recs = self._free_records(g)
-            for k, (s, r, c) in enumerate(zip(slots, records, csums)):
-                recs.append([_REC_WRITE, s, gen + k, c, r.key, r.parent, r.depth, r.life_cycle, r.priority])
+            gens = range(gen, gen + n)
+            recs += map(_write_record, slots, gens, csums, records)
             per = self._append(g, recs) // len(recs)
             g.pending_free.clear()
-            for k, (s, r, c) in enumerate(zip(slots, records, csums)):
-                g.entries[s] = (r, c, gen + k, per)
-                g.forgotten.discard(s)
+            g.entries.update(zip(slots, zip(records, csums, gens, itertools.repeat(per))))
+            if g.forgotten:
+                g.forgotten.difference_update(slots)
             g.live_bytes += per * n
             t3 = time.perf_counter()
             self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
@@ -1268,9 +1273,7 @@ class DiskTier:
             self._check_live_locked(g, slots)
             gen = self._take_gens(len(slots))
             recs = self._free_records(g)
-            for k, (s, r) in enumerate(zip(slots, records)):
-                recs.append([_REC_WRITE, s, gen + k, g.entries[s][1], r.key, r.parent, r.depth, r.life_cycle,
-                             r.priority])
+            recs += [_write_record(s, gen + k, g.entries[s][1], r) for k, (s, r) in enumerate(zip(slots, records))]
             per = self._append(g, recs) // len(recs)
             g.pending_free.clear()
             for k, (s, r) in enumerate(zip(slots, records)):
