@@ -328,6 +328,34 @@ def test_cuda_stream_order_events_and_callbacks():
         b.close()
 
 
+@cuda
+def test_cuda_host_slab_is_pinned_in_place_at_its_exact_size():
+    from tiers.device import Device
+    dev = Device("cuda", pin_host=True)
+    rows, cols = 3000, 4096 + 512             # 13.5 MiB: torch's pinned allocator would take 16 MiB
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
+        if hasattr(torch.cuda, "host_memory_stats") else None
+    slab = dev.host_slab(rows, cols)
+    assert slab.shape == (rows, cols) and slab.is_pinned() and slab.data_ptr() % 4096 == 0
+    assert int(slab[::97].sum()) == 0
+    if before is not None:                     # not from torch's caching host allocator
+        assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    src = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device=dev.torch_device)
+    slab.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(slab, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+
+
+def test_host_slab_without_cuda_is_aligned_zeroed_and_pageable():
+    from tiers.device import Device
+    slab = Device("cpu", pin_host=True).host_slab(5, 1000)    # pinning asked for, but no CUDA copies use it
+    assert slab.shape == (5, 1000) and slab.data_ptr() % 4096 == 0 and int(slab.sum()) == 0
+    if not torch.cuda.is_available():
+        assert not slab.is_pinned()
+
+
 def test_a_failed_wait_fails_the_job_behind_it_instead_of_running_it():
     from tiers.streams import HostEvent, HostStream
 

@@ -2,12 +2,16 @@
 emulated streams so that the same code runs (and is tested) without a GPU."""
 from __future__ import annotations
 
+import logging
 import re
+import weakref
 
 import torch
 
 from .errors import ConfigError
 from .streams import CudaStream, HostStream, Stream
+
+log = logging.getLogger("kvtier")
 
 
 class Device:
@@ -39,19 +43,49 @@ class Device:
         return aligned_empty(rows, cols, zero=True)
 
     def host_empty(self, rows: int, cols: int, zero: bool = True) -> torch.Tensor:
-        """A host slab or staging buffer, pinned when CUDA copies use it,
-        page-aligned either way (so the disk tier can use O_DIRECT on it
-        without bounce copies)."""
+        """A staging buffer, pinned when CUDA copies use it, page-aligned
+        either way (so the disk tier can use O_DIRECT on it without bounce
+        copies). Torch's pinned allocator caches these for reuse."""
         if self.pin_host and torch.cuda.is_available():
             fn = torch.zeros if zero else torch.empty
             return fn((rows, cols), dtype=torch.uint8, pin_memory=True)   # cudaHostAlloc: page-aligned
         return aligned_empty(rows, cols, zero=zero)
+
+    def host_slab(self, rows: int, cols: int) -> torch.Tensor:
+        """A host tier's slab, zeroed: page-aligned memory of exactly its
+        size, pinned in place with ``cudaHostRegister`` when CUDA copies use
+        it. (Torch's pinned allocator rounds every size up to a power of
+        two: a 40 GiB tier would pin 64 GiB.) If registering fails, the slab
+        comes from that allocator after all, with a warning."""
+        out = aligned_empty(rows, cols, zero=True)
+        if not (self.pin_host and torch.cuda.is_available()) or out.numel() == 0:
+            return out
+        try:
+            return pin_in_place(out)
+        except RuntimeError as exc:
+            log.warning("pinning a %d-byte host slab in place failed (%s); using torch's pinned allocator",
+                        out.numel(), exc)
+            del out
+            return torch.zeros((rows, cols), dtype=torch.uint8, pin_memory=True)
 
     def new_stream(self, name: str) -> Stream:
         return CudaStream(self.torch_device, name) if self.is_cuda else HostStream(name)
 
 
 PAGE = 4096
+
+
+def pin_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``t``'s memory (a contiguous CPU tensor) for CUDA copies;
+    unlocked when ``t`` is collected. Views that outlive ``t`` keep the
+    memory alive, merely pageable, so memory is never freed while locked."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes: {err}")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
 
 
 def aligned_empty(rows: int, cols: int, zero: bool = False) -> torch.Tensor:

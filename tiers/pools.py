@@ -20,7 +20,7 @@ class SlabPool:
 
     def __init__(self, spec: PoolGroupSpec, slots: int, device: Device) -> None:
         self.spec = spec
-        alloc = device.empty if spec.tier == GPU else device.host_empty
+        alloc = device.empty if spec.tier == GPU else device.host_slab
         try:
             self.tensor = alloc(slots, spec.slot_bytes)
         except (RuntimeError, MemoryError) as exc:     # torch's out-of-memory errors are RuntimeErrors
