@@ -36,9 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"store      {row['value']:>12,} blocks/s   hit rate {row['hit_rate']:.2%}")
         print(f"bare LRU   {row['baseline']:>12,} blocks/s   hit rate {row['oracle_hit_rate']:.2%}")
         print(f"ratio      {row['ratio']:.4f}  (store / bare)")
-        print(f"floor      {row['movement_floor']:>12,} blocks/s   the same page moves at raw copy and "
-              f"page-cache I/O speed, no bookkeeping")
-        print(f"           {row['floor_ratio']:.4f}  (floor / bare)   {row['ratio_to_floor']:.3f}  (store / floor)")
+        if row["movement_floor"] is None:
+            print("floor      nothing moved between tiers")
+        else:
+            print(f"floor      {row['movement_floor']:>12,} blocks/s   the same page moves at raw copy and "
+                  f"page-cache I/O speed, no bookkeeping")
+            print(f"           {row['floor_ratio']:.4f}  (floor / bare)   {row['ratio_to_floor']:.3f}  (store / floor)")
     return 0
 
 

@@ -68,4 +68,8 @@ def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
         (row,) = [r for r in out["rows"] if r["bench"].startswith(direction)]
         assert row["value"] > 0 and row["baseline"] > 0
         assert abs(row["ratio"] - row["value"] / row["baseline"]) < 0.01
-    assert any(n.startswith("replay") for n in names) and any(n.startswith("loop lag") for n in names)
+    assert any(n.startswith("loop lag") for n in names)
+    replay, floor = [r for r in out["rows"] if r["bench"].startswith("replay")]
+    # the floor moves the same pages with no bookkeeping: faster than the store, and both measured now
+    assert 0 < replay["value"] < floor["value"] and replay["baseline"] == floor["baseline"] > 0
+    assert replay["movement_floor"] == floor["value"] and abs(floor["ratio"] - floor["value"] / floor["baseline"]) < 1e-3
