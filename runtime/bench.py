@@ -203,6 +203,8 @@ def movement_seconds(moved: dict, device, directory: str, sample: int = 64 << 20
         return 0.0
     down, up = _raw_copy(sample, device.torch_device, device.pin_host)
     write, read = _raw_file(os.path.join(directory, "floor.bin"), sample, durable=False)
+    if min(down, up, write, read) <= 0:
+        return 0.0                      # a raw limit could not be measured here: no floor
     secs = 0.0
     for d, m in moved.items():
         src, dst = d.split("->")

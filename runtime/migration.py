@@ -71,7 +71,7 @@ def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
             out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
                 torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
         if src.device == device:       # numpy's take copies rows at memcpy speed, torch's CPU index_select far slower
-            np.take(src.numpy(), np.asarray(slots), axis=0, out=out.numpy())
+            np.take(src.numpy(), np.asarray(slots, dtype=np.intp), axis=0, out=out.numpy())
             return out
     elif src.device == device:
         return src.index_select(0, index_tensor(slots, device))

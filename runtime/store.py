@@ -935,9 +935,11 @@ class Store:
         src_tier, src_group = pages[0].tier, pages[0].group     # handoff: one source (tier, group)
         pages = sorted(pages, key=_SLOT)
         dst_of = self.group_of[dst_tier]
-        if len(slots) == 1 and (handoff or all(p.tier == src_tier and p.group == src_group for p in pages)):
+        if len(slots) == 1:
             (g, mine), = slots.items()     # the common case, one batch: no task, no gather
-            return await self._move_batch(pages, dst_tier, g, sorted(mine[:len(pages)]), handoff)
+            if dst_of[pages[0].lc] == g and (handoff or all(p.tier == src_tier and p.group == src_group
+                                                             for p in pages)):
+                return await self._move_batch(pages, dst_tier, g, sorted(mine[:len(pages)]), handoff)
         batches: dict[tuple[int, int, int], list[Page]] = collections.defaultdict(list)
         for p in pages:
             batches[(p.tier, p.group, dst_of[p.lc])].append(p)

@@ -76,14 +76,22 @@ PAGE = 4096
 
 
 def pin_in_place(t: torch.Tensor) -> torch.Tensor:
-    """Page-lock ``t``'s memory (a contiguous CPU tensor) for CUDA copies;
-    unlocked when ``t`` is collected. Views that outlive ``t`` keep the
-    memory alive, merely pageable, so memory is never freed while locked."""
+    """Page-lock the memory under ``t`` (a CPU tensor) for CUDA copies;
+    unlocked when ``t`` is collected. The whole storage is registered, not
+    just the view: torch's ``is_pinned`` looks at the storage's base. Views
+    that outlive ``t`` keep the memory alive, merely pageable, so memory is
+    never freed while locked."""
     cudart = torch.cuda.cudart()
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes: {err}")
+        reason = cudart.cudaGetErrorString(err)
+        try:            # the failed call left CUDA's last error set: a launch reads (and clears) it here,
+            torch.empty(1, device="cuda").zero_()    # not in the next unrelated kernel the store runs
+        except RuntimeError:
+            pass
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes: {reason}")
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
 
