@@ -31,7 +31,7 @@ def main() -> int:
     t0 = time.perf_counter()
     env = dict(os.environ, KVTIER_TEST_DEVICE="cuda")
     try:      # bounded, so a hang on the device still leaves time for the benchmark and the table
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-o", "faulthandler_timeout=60",
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "faulthandler_timeout=60",
                                 "tests/test_store.py", "tests/test_migration.py", "tests/test_streams.py"],
                                cwd=ROOT, env=env, timeout=180)
         tests_rc = tests.returncode

@@ -14,6 +14,7 @@ import torch
 from runtime import Store, TierIOError
 from runtime.pages import GPU, HOST
 from runtime.trace import read_trace
+from tiers.streams import HostEvent
 
 from helpers import DEVICE, config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
 
@@ -49,19 +50,34 @@ async def test_concurrent_acquires_share_one_move():
         store.check_consistency()
 
 
+class FailsOnce:
+    """A copy stream whose first job fails 0.2 s after it is submitted, without running."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.kind, self.failed = stream, stream.kind, 0
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def submit(self, fn, *args, **kw):
+        if self.failed:
+            return self.stream.submit(fn, *args, **kw)
+        self.failed += 1
+        ev = HostEvent()
+        threading.Timer(0.2, ev.set, args=(TierIOError("injected EIO"),)).start()
+        return ev
+
+
 async def test_failed_move_keeps_the_source_and_reaches_every_waiter():
     async with Store.open(config(gpu=4, host=16)) as store:
         await _push_to_host(store, toks(1, 4))
-        fails = {"n": 1}
-
-        def fault(src, dst):
-            if src == HOST and dst == GPU and fails["n"]:
-                fails["n"] -= 1
-                raise TierIOError("injected EIO")
-        store.engine.fault = fault
+        # the host->gpu copy job fails, late enough that every acquire is waiting on it (a hook that
+        # raised at once could fail the move before the other acquires joined it: on CUDA the eviction
+        # ahead of it can finish without the loop ever yielding)
+        store.engine.up = up = FailsOnce(store.engine.up)
         seqs = [await store.open_sequence(tokens=toks(1, 4)) for _ in range(3)]
         results = await asyncio.gather(*(s.acquire() for s in seqs), return_exceptions=True)
-        assert all(isinstance(r, TierIOError) for r in results)
+        assert all(isinstance(r, TierIOError) for r in results), results
         assert store.stats()["moves"]["host->gpu"]["failures"] == 1
         await store.drain()
         store.check_consistency()
