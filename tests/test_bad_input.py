@@ -95,7 +95,9 @@ async def test_a_bad_append_leaves_the_sequence_usable():
 
 
 async def test_a_stream_on_an_emulated_gpu_is_refused_before_anything_changes():
-    async with Store.open(config(gpu=4)) as store:
+    cfg = config(gpu=4)
+    cfg.gpu.device = "cpu"                  # emulated even where the suite runs on CUDA
+    async with Store.open(cfg) as store:
         seq = await store.open_sequence(tokens=toks(1, 4))
         with pytest.raises(UsageError, match="CUDA"):
             await seq.acquire(stream=object())

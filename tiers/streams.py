@@ -253,6 +253,8 @@ class CudaStream:
 
     def __init__(self, device: torch.device, name: str = "kvtier-cuda") -> None:
         self.name = name
+        if device.index is None:        # the waiter thread's set_device needs an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self._waiter = _EventWaiter(device, name + "-waiter")
