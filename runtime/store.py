@@ -543,6 +543,9 @@ class Store:
     def _check_commit_keys(self, seq: Sequence, n: int) -> None:
         """Raise, with nothing changed, if committing blocks up to ``n`` would
         index a key at a second position (keys not chained, or repeated)."""
+        keys = seq.keys[seq.committed:n]
+        if self.nodes.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            return                      # the common case, checked in C: all new, none repeated
         parent = seq.blocks[seq.committed - 1] if seq.committed else None
         new_keys: set[BlockKey] = set()
         new_blocks: set[int] = set()    # by identity: a block extended before its key was known has none yet
