@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import logging
 import math
 from typing import IO
 
 from tiers.errors import UsageError
-
-log = logging.getLogger("kvtier.trace")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,8 +70,7 @@ def read_trace(path: str, limit: int | None = None, strict: bool = False) -> tup
                 except (ValueError, RecursionError) as exc:     # bad JSON, bad UTF-8, absurd nesting
                     if strict:
                         raise TraceError(path, n, str(exc)) from None
-                    problems.append(f"line {n}: {exc}")
-                    log.warning("%s:%d: skipped malformed line: %s", path, n, exc)
+                    problems.append(f"line {n}: {exc}")      # the caller reports them (once)
     except (OSError, EOFError) as exc:                 # unreadable, or a truncated gzip stream
         raise UsageError(f"cannot read trace {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
     return out, problems
