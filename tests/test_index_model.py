@@ -1,0 +1,179 @@
+"""The prefix index and the tiers under random request mixes (hypothesis,
+stateful): sequences sharing prefixes open, acquire, extend, write, commit,
+release and close in any order, under memory pressure that cascades pages
+through host and disk, with store restarts. After every step the store's
+invariants hold; every match is a prefix some commit published; every page
+an acquire brings back holds the bytes written for its key."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from runtime import OutOfPagesError, Store
+from runtime.keys import hash_blocks
+
+from helpers import config, expected_block, read_block, two_life_cycles, write_blocks
+
+TPB = 2
+MAX_BLOCKS = 5
+
+
+def tokens_for(family: int, branch_at: int, branch: int, n_blocks: int) -> list[int]:
+    """Requests of one family share their first ``branch_at`` blocks."""
+    shared = [family * 10_000 + i for i in range(branch_at * TPB)]
+    own = [family * 10_000 + 1_000 * (branch + 1) + i for i in range(branch_at * TPB, n_blocks * TPB)]
+    return shared + own
+
+
+class StoreMachine(RuleBasedStateMachine):
+    @initialize(windowed=st.booleans())
+    def setup(self, windowed):
+        self.loop = asyncio.new_event_loop()
+        self.dir = tempfile.mkdtemp(prefix="kvtier-model-")
+        layers = two_life_cycles(window=2 * TPB, sinks=TPB) if windowed else None
+        # small tiers (pages per block: 2 windowed, else 1): a few requests fill the GPU, and pages
+        # cascade to host and disk
+        per = 2 if windowed else 1
+        self.cfg = config(gpu=6 * per, host=6 * per, disk=10 * per, disk_dir=self.dir, tpb=TPB, layers=layers,
+                          persist_on_close=True)
+        self.store = self.run(Store.open(self.cfg).__aenter__())
+        self.seqs: list = []
+        self.published: set = set()        # (position, key) of every block a commit published
+        self.verified = 0
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    # -- requests --------------------------------------------------------------------------
+    requests = dict(family=st.integers(0, 1), branch_at=st.integers(0, MAX_BLOCKS), branch=st.integers(0, 2),
+                    n_blocks=st.integers(1, MAX_BLOCKS))
+
+    @rule(**requests)
+    def request(self, family, branch_at, branch, n_blocks):
+        """A whole prefill, as an engine runs it; it pushes other pages down the tiers."""
+        self.open(family, branch_at, branch, n_blocks)
+        seq = self.seqs[-1]
+        try:
+            self.run(seq.acquire())
+            self._verify(seq)
+            start = seq.num_blocks
+            self.run(seq.extend(len(seq.keys) - start))
+        except OutOfPagesError:        # the other open sequences hold the pool
+            pass
+        else:
+            write_blocks(self.store, seq, range(start, len(seq.keys)))
+            seq.commit(seq.num_blocks)
+            self.published.update((i, k) for i, k in enumerate(seq.keys[:seq.committed]))
+        self.run(seq.close())
+        self.seqs.remove(seq)
+
+    @precondition(lambda self: len(self.seqs) < 3)
+    @rule(**requests)
+    def open(self, family, branch_at, branch, n_blocks):
+        tokens = tokens_for(family, min(branch_at, n_blocks), branch, n_blocks)
+        seq = self.run(self.store.open_sequence(tokens=tokens))
+        keys = hash_blocks(tokens, TPB, self.cfg.hash_salt)
+        assert seq.keys == keys
+        for i in range(seq.matched_blocks):      # a match is a prefix that some commit published
+            assert (i, keys[i]) in self.published, f"block {i} matched but never committed there"
+        assert sum(seq.matched_by_tier.values()) <= seq.matched_blocks
+        self.seqs.append(seq)
+
+    @precondition(lambda self: any(not s.acquired for s in self.seqs))
+    @rule(data=st.data())
+    def acquire(self, data):
+        seq = data.draw(st.sampled_from([s for s in self.seqs if not s.acquired]))
+        try:
+            self.run(seq.acquire())
+        except OutOfPagesError:
+            assert not seq.acquired                # other sequences lock the pool: nothing changed
+            return
+        self._verify(seq)
+
+    @precondition(lambda self: any(s.acquired and s.num_blocks < len(s.keys) for s in self.seqs))
+    @rule(data=st.data())
+    def extend_and_write(self, data):
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s.acquired and s.num_blocks < len(s.keys)]))
+        start = seq.num_blocks
+        try:
+            self.run(seq.extend(len(seq.keys) - start))
+        except OutOfPagesError:
+            assert seq.num_blocks == start
+            return
+        redo = {b for lc in self.store.lcs for b in seq.recompute_blocks(lc.layers[0].id)}
+        write_blocks(self.store, seq, sorted(set(range(start, len(seq.keys))) | redo))
+
+    @precondition(lambda self: any(s.acquired and s.num_blocks > s.committed for s in self.seqs))
+    @rule(data=st.data())
+    def commit(self, data):
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s.acquired and s.num_blocks > s.committed]))
+        seq.commit(seq.num_blocks)
+        for i in range(seq.committed):
+            self.published.add((i, seq.keys[i]))
+
+    @precondition(lambda self: any(s.acquired for s in self.seqs))
+    @rule(data=st.data())
+    def release(self, data):
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s.acquired]))
+        self.run(seq.release())
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def close(self, data):
+        seq = data.draw(st.sampled_from(self.seqs))
+        self.run(seq.close())
+        self.seqs.remove(seq)
+
+    @rule()
+    def restart(self):
+        """Close everything and reopen on the same disk directory: committed pages come back from disk."""
+        for seq in self.seqs:
+            self.run(seq.close())
+        self.seqs = []
+        self.run(self.store.close())
+        self.store = self.run(Store.open(self.cfg).__aenter__())
+        self.store.check_consistency()
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _verify(self, seq):
+        """Every page the acquire brought to the GPU for a matched block holds its key's bytes."""
+        for lc in self.store.lcs:
+            layer = lc.layers[0].id
+            idx = seq.page_indices(layer)
+            redo = set(seq.recompute_blocks(layer))
+            for b in range(seq.matched_blocks):
+                if idx[b] >= 0 and b not in redo:
+                    got, want = read_block(self.store, seq, lc.index, b), expected_block(self.store, seq, lc.index, b)
+                    assert bool((got == want).all()), f"block {b} (life cycle {lc.index}) came back wrong"
+                    self.verified += 1
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "store"):
+            self.run(self.store.drain())
+            self.store.check_consistency()
+
+    def teardown(self):
+        if not hasattr(self, "store"):
+            return
+        try:
+            for seq in self.seqs:
+                self.run(seq.close())
+            self.run(self.store.drain())
+            self.store.check_consistency()
+            gpu = self.store.stats()["tiers"]["gpu"]["groups"]
+            assert all(g["locked"] == 0 and g["held"] == 0 for g in gpu)    # nothing left behind
+            self.run(self.store.close())
+        finally:
+            self.loop.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
+                                          derandomize=True)
+TestStoreMachine = StoreMachine.TestCase
