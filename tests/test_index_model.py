@@ -1,7 +1,7 @@
 """The prefix index and the tiers under random request mixes (hypothesis,
 stateful): sequences sharing prefixes open, acquire, extend, write, commit,
 release and close in any order, under memory pressure that cascades pages
-through host and disk, with store restarts. After every step the store's
+through host and disk, with failed moves and store restarts. After every step the store's
 invariants hold; every match is a prefix some commit published; every page
 an acquire brings back holds the bytes written for its key."""
 from __future__ import annotations
@@ -14,8 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime import OutOfPagesError, Store
+from runtime import OutOfPagesError, Store, TierIOError
 from runtime.keys import hash_blocks
+from runtime.pages import TIER_NAMES
 
 from helpers import config, expected_block, read_block, two_life_cycles, write_blocks
 
@@ -45,9 +46,17 @@ class StoreMachine(RuleBasedStateMachine):
         self.seqs: list = []
         self.published: set = set()        # (position, key) of every block a commit published
         self.verified = 0
+        self.armed: set[tuple[int, int]] = set()     # (source tier, destination tier) whose next move fails
+        self.store.engine.fault = self._fault
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
+
+    def _fault(self, src: int, dst: int) -> None:
+        if (src, dst) in self.armed:
+            self.armed.discard((src, dst))
+            raise TierIOError(f"injected: {TIER_NAMES[src]}->{TIER_NAMES[dst]}")
+
 
     # -- requests --------------------------------------------------------------------------
     requests = dict(family=st.integers(0, 1), branch_at=st.integers(0, MAX_BLOCKS), branch=st.integers(0, 2),
@@ -63,7 +72,7 @@ class StoreMachine(RuleBasedStateMachine):
             self._verify(seq)
             start = seq.num_blocks
             self.run(seq.extend(len(seq.keys) - start))
-        except OutOfPagesError:        # the other open sequences hold the pool
+        except (OutOfPagesError, TierIOError):    # the other open sequences hold the pool; a move failed
             pass
         else:
             write_blocks(self.store, seq, range(start, len(seq.keys)))
@@ -90,8 +99,8 @@ class StoreMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from([s for s in self.seqs if not s.acquired]))
         try:
             self.run(seq.acquire())
-        except OutOfPagesError:
-            assert not seq.acquired                # other sequences lock the pool: nothing changed
+        except (OutOfPagesError, TierIOError):
+            assert not seq.acquired                # the pool is locked, or a move failed: nothing locked
             return
         self._verify(seq)
 
@@ -102,7 +111,7 @@ class StoreMachine(RuleBasedStateMachine):
         start = seq.num_blocks
         try:
             self.run(seq.extend(len(seq.keys) - start))
-        except OutOfPagesError:
+        except (OutOfPagesError, TierIOError):
             assert seq.num_blocks == start
             return
         redo = {b for lc in self.store.lcs for b in seq.recompute_blocks(lc.layers[0].id)}
@@ -137,6 +146,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.seqs = []
         self.run(self.store.close())
         self.store = self.run(Store.open(self.cfg).__aenter__())
+        self.store.engine.fault = self._fault
         self.store.check_consistency()
 
     # -- checks ---------------------------------------------------------------------------------
@@ -174,6 +184,18 @@ class StoreMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-StoreMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
-                                          derandomize=True)
+class FailingMovesMachine(StoreMachine):
+    """The same, with moves failing: requests get the error and change nothing, pages stay where they were."""
+
+    @precondition(lambda self: not self.armed)
+    @rule(src=st.integers(0, 2), dst=st.integers(0, 2))
+    def fail_next_move(self, src, dst):
+        """The next move in that direction fails (a background demotion, a promotion, a spill)."""
+        if src != dst:
+            self.armed.add((src, dst))
+
+
+for machine in (StoreMachine, FailingMovesMachine):
+    machine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None, derandomize=True)
 TestStoreMachine = StoreMachine.TestCase
+TestFailingMovesMachine = FailingMovesMachine.TestCase
