@@ -169,7 +169,8 @@ class MigrationEngine:
         src_tier, src_group = pages[0].tier, pages[0].group
         src_slots = [p.slot for p in pages]
         lcs = [p.lc for p in pages]
-        deps = [p.ready for p in pages] + list(fences)
+        deps = {p.ready for p in pages}         # one event per batch that placed them: few distinct
+        deps.update(fences)
         busy = [0.0]        # seconds the stages' jobs ran (not queued), for bandwidth
         if self.fault is not None:
             self.fault(src_tier, dst_tier)
@@ -219,14 +220,14 @@ class MigrationEngine:
                                        lambda: self._spill(src, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
-            read_deps = [p.ready for p in pages]
+            read_deps = {p.ready for p in pages}
             if dst_tier == HOST:
                 dst = self.host[dst_group].tensor
 
                 def job() -> None:          # straight into the host slab, one read per run of slots
                     for off, first, n in _runs(dst_slots):
                         self.disk.read(src_group, src_slots[off:off + n], dst[first:first + n])
-                ev = await self._stage(busy, self.io_read, job, read_deps + list(fences))
+                ev = await self._stage(busy, self.io_read, job, read_deps.union(fences))
             else:
                 dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
                 with self.staging.borrow(len(pages), width) as staging:
@@ -245,7 +246,7 @@ class MigrationEngine:
                      deps: Sequence[Event | None]) -> Event:
         """Submit ``job`` after ``deps``; await it. ``busy[0]`` accumulates its
         run time (on CUDA, from issue to completion)."""
-        pending = [e for e in {id(e): e for e in deps if e is not None}.values() if not e.query()]
+        pending = [e for e in set(deps) if e is not None and not e.query()]    # events hash by identity
         await wait_events(e for e in pending if not stream.can_wait(e))
         for e in pending:
             if stream.can_wait(e):

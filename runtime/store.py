@@ -57,6 +57,8 @@ class Store:
                           for i, t in enumerate(self.tier_ids)}
         self.last_tier = self.tier_ids[-1]
         self.group_of = [[self.layout.group_map(name).get(lc.index, -1) for lc in self.lcs] for name in TIER_NAMES]
+        # per tier, the one pool group every life cycle maps to (the common single-group layout), else None
+        self.sole_group = [row[0] if len(set(row)) == 1 else None for row in self.group_of]
         self.layer_lc: dict[int, int] = {}
         self.pool_index: dict[tuple[int, str], int] = {}
         for lc in self.lcs:
@@ -900,7 +902,9 @@ class Store:
         """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller."""
         nxt = self.next_tier[tier]
         while nxt is not None:
-            counts = collections.Counter(self.group_of[nxt][v.lc] for v in victims)
+            sole = self.sole_group[nxt]
+            counts = {sole: len(victims)} if sole is not None else \
+                collections.Counter(self.group_of[nxt][v.lc] for v in victims)
             try:
                 slots = await self._obtain_many(nxt, counts)
             except OutOfPagesError:
