@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import tempfile
 import time
 
 import torch
 
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.errors import UsageError
 from tiers.layers import LayerSpec
 
 from .demo import bundled_trace
@@ -168,7 +170,11 @@ def _drop_disk_cache(store: Store) -> None:
 
 
 async def bench_replay(trace: str, limit: int | None, directory: str) -> dict:
-    requests, _ = read_trace(trace, limit)
+    requests, problems = read_trace(trace, limit)
+    for p in problems:
+        print(f"{trace}: {p} (skipped)", file=sys.stderr)
+    if not requests:
+        raise UsageError(f"no requests in trace {trace!r}")
     blocks = sum(len(r.hash_ids) for r in requests)
     g, h, d = 4096, 16384, 65536
     oracle = LruPrefixCache(g + h + d)

@@ -18,6 +18,7 @@ import tempfile
 from runtime.bench import bench_replay, default_trace
 from runtime.cli import tune_gc
 from runtime.loop import run
+from tiers.errors import KvtierError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tune_gc()
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-runtime-") as tmp:
-        row = run(bench_replay(args.trace, args.limit, tmp))
+        try:
+            row = run(bench_replay(args.trace, args.limit, tmp))
+        except KvtierError as exc:
+            print(f"bench_runtime: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(row, indent=2))
     else:
@@ -37,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bare LRU   {row['baseline']:>12,} blocks/s   hit rate {row['oracle_hit_rate']:.2%}")
         print(f"ratio      {row['ratio']:.4f}  (store / bare)")
         if row["movement_floor"] is None:
-            print("floor      nothing moved between tiers")
+            print("floor      none: nothing moved between tiers, or a raw limit could not be measured")
         else:
             print(f"floor      {row['movement_floor']:>12,} blocks/s   the same page moves at raw copy and "
                   f"page-cache I/O speed, no bookkeeping")

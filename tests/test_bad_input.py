@@ -218,3 +218,16 @@ async def test_a_commit_precheck_follows_blocks_extended_before_their_keys_were_
             seq.commit(3)
         assert seq.committed == 0 and not store.nodes
         await seq.close()
+
+
+async def test_bench_replay_reports_skipped_lines_and_refuses_a_trace_with_no_requests(tmp_path, capsys):
+    from runtime.bench import bench_replay
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}\nnot json\n')
+    row = await bench_replay(str(mixed), None, str(tmp_path))
+    assert row["value"] > 0
+    assert "line 2" in capsys.readouterr().err           # said, not silently dropped
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(UsageError, match="no requests"):
+        await bench_replay(str(bad), None, str(tmp_path))
