@@ -52,6 +52,7 @@ async def persist(store: "Store") -> None:
                 log.warning("persisting %d pages at close failed: %s", len(chunk), exc)
     await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
+
 def index_recovered(store: "Store") -> None:
     """Rebuild the index from the pages the disk tier recovered."""
     disk = store.disk

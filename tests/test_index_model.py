@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime import OutOfPagesError, Store, TierIOError
+from runtime import LayerSpec, OutOfPagesError, ReusePolicy, Store, TierIOError
 from runtime.keys import hash_blocks
 from runtime.pages import TIER_NAMES
 
@@ -22,6 +22,16 @@ from helpers import config, expected_block, read_block, two_life_cycles, write_b
 
 TPB = 2
 MAX_BLOCKS = 5
+KV = (("k", 64), ("v", 64))
+# name -> (layers, pages per block in the busiest pool group)
+LAYOUTS = {
+    "required": (None, 1),
+    "sink_required_only": (two_life_cycles(ReusePolicy.SINK_REQUIRED_ONLY, window=2 * TPB, sinks=TPB), 2),
+    "required_window": (two_life_cycles(ReusePolicy.REQUIRED, window=2 * TPB, sinks=TPB), 2),
+    "optional_and_private": ([LayerSpec(0, KV), LayerSpec(1, KV, window_tokens=2 * TPB, reuse=ReusePolicy.OPTIONAL),
+                              LayerSpec(2, KV, reuse=ReusePolicy.PRIVATE)], 1),     # three pool groups
+}
+PRIORITIES = st.sampled_from([0, 35, 90])
 
 
 def tokens_for(family: int, branch_at: int, branch: int, n_blocks: int) -> list[int]:
@@ -32,14 +42,12 @@ def tokens_for(family: int, branch_at: int, branch: int, n_blocks: int) -> list[
 
 
 class StoreMachine(RuleBasedStateMachine):
-    @initialize(windowed=st.booleans())
-    def setup(self, windowed):
+    @initialize(layout=st.sampled_from(sorted(LAYOUTS)))
+    def setup(self, layout):
         self.loop = asyncio.new_event_loop()
         self.dir = tempfile.mkdtemp(prefix="kvtier-model-")
-        layers = two_life_cycles(window=2 * TPB, sinks=TPB) if windowed else None
-        # small tiers (pages per block: 2 windowed, else 1): a few requests fill the GPU, and pages
-        # cascade to host and disk
-        per = 2 if windowed else 1
+        layers, per = LAYOUTS[layout]
+        # small tiers: a few requests fill the GPU, and pages cascade to host and disk
         self.cfg = config(gpu=6 * per, host=6 * per, disk=10 * per, disk_dir=self.dir, tpb=TPB, layers=layers,
                           persist_on_close=True)
         self.store = self.run(Store.open(self.cfg).__aenter__())
@@ -60,12 +68,12 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- requests --------------------------------------------------------------------------
     requests = dict(family=st.integers(0, 1), branch_at=st.integers(0, MAX_BLOCKS), branch=st.integers(0, 2),
-                    n_blocks=st.integers(1, MAX_BLOCKS))
+                    n_blocks=st.integers(1, MAX_BLOCKS), priority=PRIORITIES)
 
     @rule(**requests)
-    def request(self, family, branch_at, branch, n_blocks):
+    def request(self, family, branch_at, branch, n_blocks, priority):
         """A whole prefill, as an engine runs it; it pushes other pages down the tiers."""
-        self.open(family, branch_at, branch, n_blocks)
+        self.open(family, branch_at, branch, n_blocks, priority)
         seq = self.seqs[-1]
         try:
             self.run(seq.acquire())
@@ -83,9 +91,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.seqs) < 3)
     @rule(**requests)
-    def open(self, family, branch_at, branch, n_blocks):
+    def open(self, family, branch_at, branch, n_blocks, priority):
         tokens = tokens_for(family, min(branch_at, n_blocks), branch, n_blocks)
-        seq = self.run(self.store.open_sequence(tokens=tokens))
+        seq = self.run(self.store.open_sequence(tokens=tokens, priority=priority))
         keys = hash_blocks(tokens, TPB, self.cfg.hash_salt)
         assert seq.keys == keys
         for i in range(seq.matched_blocks):      # a match is a prefix that some commit published
@@ -116,6 +124,24 @@ class StoreMachine(RuleBasedStateMachine):
             return
         redo = {b for lc in self.store.lcs for b in seq.recompute_blocks(lc.layers[0].id)}
         write_blocks(self.store, seq, sorted(set(range(start, len(seq.keys))) | redo))
+
+    @precondition(lambda self: any(s.acquired and s.committed == s.num_blocks == len(s.keys) < MAX_BLOCKS + 2
+                                   for s in self.seqs))
+    @rule(data=st.data())
+    def decode(self, data):
+        """One generated block: append its tokens, extend, write, commit (the decode loop's step)."""
+        seq = data.draw(st.sampled_from([s for s in self.seqs
+                                         if s.acquired and s.committed == s.num_blocks == len(s.keys) < MAX_BLOCKS + 2]))
+        seq.append(tokens=[t + 7 for t in seq.tokens[-TPB:]])
+        start = seq.num_blocks
+        try:
+            self.run(seq.extend(1))
+        except (OutOfPagesError, TierIOError):
+            assert seq.num_blocks == start
+            return
+        write_blocks(self.store, seq, [start])
+        seq.commit(seq.num_blocks)
+        self.published.update((i, k) for i, k in enumerate(seq.keys[:seq.committed]))
 
     @precondition(lambda self: any(s.acquired and s.num_blocks > s.committed for s in self.seqs))
     @rule(data=st.data())
@@ -151,11 +177,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- checks ---------------------------------------------------------------------------------
     def _verify(self, seq):
-        """Every page the acquire brought to the GPU for a matched block holds its key's bytes."""
+        """Every page the acquire brought to the GPU for a matched block holds its key's bytes; a
+        PRIVATE life cycle's pages are never shared, so a matched block must recompute them."""
         for lc in self.store.lcs:
             layer = lc.layers[0].id
             idx = seq.page_indices(layer)
             redo = set(seq.recompute_blocks(layer))
+            if lc.reuse is ReusePolicy.PRIVATE:
+                assert redo >= set(range(seq.matched_blocks)), "a PRIVATE page was served from the cache"
             for b in range(seq.matched_blocks):
                 if idx[b] >= 0 and b not in redo:
                     got, want = read_block(self.store, seq, lc.index, b), expected_block(self.store, seq, lc.index, b)
