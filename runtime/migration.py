@@ -14,7 +14,7 @@ this module only moves bytes and counts them.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ except ImportError:   # pragma: no cover - tiers.disk lands with the disk tier
 
 
 FEW_RUNS = 4             # above this many runs, host rows move by fancy indexing, not per run
+INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 ANONYMOUS_KEY = b""      # disk record key of a page that must not be recovered
@@ -176,6 +177,8 @@ class MigrationEngine:
             self.fault(src_tier, dst_tier)
         dev = self.device.torch_device
         host_dev = torch.device("cpu")
+        # a few microseconds of memcpy: cheaper on the loop than the hop to a copy thread and back
+        small = len(pages) * self._dst_width(dst_tier, dst_group) <= INLINE_BYTES
 
         if src_tier == GPU:
             hot = self.gpu[src_group]
@@ -189,7 +192,7 @@ class MigrationEngine:
                     else:
                         rows = gather(hot.tensor, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
-                ev = await self._stage(busy, self.down, job, deps)
+                ev = await self._stage(busy, self.down, job, deps, inline=small)
             else:
                 records = self.records_of(pages)
                 with self.staging.borrow(len(pages), cold_bytes) as buf:
@@ -213,7 +216,7 @@ class MigrationEngine:
                     else:
                         rows = gather(src, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
-                ev = await self._stage(busy, self.up, job, deps)
+                ev = await self._stage(busy, self.up, job, deps, inline=small)
             else:
                 records = self.records_of(pages)
                 ev = await self._stage(busy, self.io_write,
@@ -243,9 +246,10 @@ class MigrationEngine:
         return ev
 
     async def _stage(self, busy: list[float], stream, job: Callable[[], None],
-                     deps: Sequence[Event | None]) -> Event:
+                     deps: Iterable[Event | None], inline: bool = False) -> Event:
         """Submit ``job`` after ``deps``; await it. ``busy[0]`` accumulates its
-        run time (on CUDA, from issue to completion)."""
+        run time (on CUDA, from issue to completion). ``inline``: the job is
+        small enough to run on the loop if its (host) stream is idle."""
         pending = [e for e in set(deps) if e is not None and not e.query()]    # events hash by identity
         await wait_events(e for e in pending if not stream.can_wait(e))
         for e in pending:
@@ -259,7 +263,7 @@ class MigrationEngine:
             finally:
                 busy[0] += time.perf_counter() - t0
         t_issue = time.perf_counter()
-        ev = stream.submit(timed if stream.kind != "cuda" else job)     # CUDA: timed issue to completion
+        ev = stream.submit(timed if stream.kind != "cuda" else job, inline=inline)   # CUDA: timed issue to completion
         await wait_event(ev)
         if stream.kind == "cuda":
             busy[0] += time.perf_counter() - t_issue

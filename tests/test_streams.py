@@ -374,3 +374,39 @@ def test_a_failed_wait_fails_the_job_behind_it_instead_of_running_it():
         assert ok.error is None and ran == [2]
     finally:
         s.close()
+
+
+def test_an_inline_job_runs_on_the_caller_only_when_the_stream_is_idle():
+    from tiers.streams import HostEvent, HostStream
+    s = HostStream("t")
+    try:
+        where = []
+        ev = s.submit(lambda: where.append(threading.get_ident()), inline=True)
+        assert ev.query() and where == [threading.get_ident()]          # idle: ran here, done on return
+        gate = threading.Event()
+        s.submit(gate.wait)                                               # busy now
+        order = []
+        behind = s.submit(lambda: order.append(("inline", threading.get_ident())), inline=True)
+        assert not behind.query() and order == []                        # queued behind the busy job
+        gate.set()
+        behind.synchronize(5)
+        assert order[0][1] != threading.get_ident()                     # ran on the worker, in order
+        s.synchronize()
+
+        class Broken(HostEvent):
+            def synchronize(self, timeout=None):
+                raise RuntimeError("the device reported an error")
+        s.wait_event(Broken())
+        for _ in range(500):                                              # the worker takes the failed wait
+            if s._finished == s._queued:
+                break
+            threading.Event().wait(0.01)
+        ran = []
+        s.submit(lambda: ran.append("fire-and-forget"), event=False, inline=True)   # does not consume it
+        failed = s.submit(lambda: ran.append("after the failed wait"), inline=True)
+        assert failed.query() and isinstance(failed.error, RuntimeError)
+        assert ran == ["fire-and-forget"]
+        ok = s.submit(lambda: ran.append("next"), inline=True)
+        assert ok.query() and ok.error is None and ran[-1] == "next"
+    finally:
+        s.close()

@@ -97,52 +97,77 @@ _WAIT = object()      # marks a queued wait on another stream's event
 
 
 class HostStream:
-    """An ordered queue of work on one worker thread."""
+    """An ordered queue of work on one worker thread.
+
+    ``submit(fn, inline=True)`` runs ``fn`` on the caller's thread instead
+    when the stream is idle (nothing queued or running), which keeps the
+    order. For a job of a few microseconds (a small copy between host
+    tensors) the hop to the worker and back costs far more than the job,
+    and under a busy event loop the worker also waits for the GIL. That
+    makes an idle emulated copy stream behave like a CUDA one: the work is
+    issued on the caller's thread, and the event is already done.
+
+    One thread submits (the event loop's): ``submit`` and ``wait_event``
+    count what they queue without a lock."""
 
     kind = "host"
-    __slots__ = ("name", "_queue", "_thread", "_closed")
+    __slots__ = ("name", "_queue", "_thread", "_closed", "_queued", "_finished", "_failed_wait")
 
     def __init__(self, name: str = "kvtier-stream") -> None:
         self.name = name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._queued = 0            # items put, by the submitting thread
+        self._finished = 0          # items done, by the worker: equal means idle
+        self._failed_wait: BaseException | None = None   # a wait that failed: the next job must not run
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        failed_wait: BaseException | None = None     # a wait_event that failed: the next job must not run
         while True:
             item = self._queue.get()
             if item is None:
                 return
             fn, ev = item
-            if ev is _WAIT:
-                try:
-                    fn()
-                except BaseException as exc:   # noqa: BLE001 - fails the job queued after the wait
-                    failed_wait = exc
-                continue
-            if failed_wait is not None and ev is not None:
-                ev.set(failed_wait)
-                failed_wait = None
-                continue
             try:
-                fn()
-            except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
-                if ev is None:
-                    _log.warning("%s: background job failed: %r", self.name, exc)
-                    continue
-                ev.set(exc)
-            else:
-                if ev is not None:
-                    ev.set()
+                if ev is _WAIT:
+                    try:
+                        fn()
+                    except BaseException as exc:   # noqa: BLE001 - fails the job queued after the wait
+                        self._failed_wait = exc
+                else:
+                    self._execute(fn, ev)
+            finally:
+                self._finished += 1
 
-    def submit(self, fn: Callable[[], None], event: bool = True) -> HostEvent | None:
-        """Queue ``fn``; its completion event, or None with ``event=False``
-        for fire-and-forget work (an error then only logs)."""
+    def _execute(self, fn: Callable[[], None], ev: HostEvent | None) -> None:
+        """Run one job (unless a wait before it failed) and complete its event."""
+        if ev is not None and self._failed_wait is not None:
+            failed, self._failed_wait = self._failed_wait, None
+            ev.set(failed)
+            return
+        try:
+            fn()
+        except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
+            if ev is None:
+                _log.warning("%s: background job failed: %r", self.name, exc)
+                return
+            ev.set(exc)
+        else:
+            if ev is not None:
+                ev.set()
+
+    def submit(self, fn: Callable[[], None], event: bool = True, inline: bool = False) -> HostEvent | None:
+        """Queue ``fn`` (or with ``inline``, run it now if the stream is
+        idle); its completion event, or None with ``event=False`` for
+        fire-and-forget work (an error then only logs)."""
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         ev = HostEvent() if event else None
+        if inline and self._finished == self._queued:
+            self._execute(fn, ev)
+            return ev
+        self._queued += 1
         self._queue.put((fn, ev))
         return ev
 
@@ -154,6 +179,7 @@ class HostStream:
 
     def wait_event(self, ev: Event) -> None:
         if not ev.query():
+            self._queued += 1
             self._queue.put((ev.synchronize, _WAIT))
 
     def synchronize(self) -> None:
@@ -259,7 +285,9 @@ class CudaStream:
         self.stream = torch.cuda.Stream(device=device)
         self._waiter = _EventWaiter(device, name + "-waiter")
 
-    def submit(self, fn: Callable[[], None]) -> Event:
+    def submit(self, fn: Callable[[], None], inline: bool = True) -> Event:
+        """Issue ``fn``'s kernels and copies on this stream from the caller's
+        thread (always: a launch is asynchronous); the event after them."""
         with torch.cuda.stream(self.stream):
             try:
                 fn()
