@@ -202,7 +202,7 @@ class MigrationEngine:
                         else:
                             buf.copy_(self._convert(gather(hot.tensor, src_slots, dev), lcs, True, cold_bytes),
                                       non_blocking=True)
-                    await self._stage(busy, self.down, job, deps)
+                    await self._stage(busy, self.down, job, deps, inline=small)
                     ev = await self._stage(busy, self.io_write,
                                            lambda: self.disk.write(dst_group, list(dst_slots), buf, records), [])
         elif src_tier == HOST:
@@ -240,7 +240,7 @@ class MigrationEngine:
                     def job() -> None:
                         rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
-                    ev = await self._stage(busy, self.up, job, list(fences))
+                    ev = await self._stage(busy, self.up, job, fences, inline=small)
         nbytes = len(pages) * self._dst_width(dst_tier, dst_group)
         self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], len(pages), nbytes, busy[0])
         return ev
