@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import tempfile
 import time
 
@@ -31,7 +30,7 @@ from .oracle import LruPrefixCache
 from .pages import DISK, GPU, HOST
 from .replay import replay
 from .store import Store
-from .trace import read_trace
+from .trace import read_trace, report_skipped
 
 BATCH = 64
 
@@ -171,8 +170,7 @@ def _drop_disk_cache(store: Store) -> None:
 
 async def bench_replay(trace: str, limit: int | None, directory: str) -> dict:
     requests, problems = read_trace(trace, limit)
-    for p in problems:
-        print(f"{trace}: {p} (skipped)", file=sys.stderr)
+    report_skipped(trace, problems)
     if not requests:
         raise UsageError(f"no requests in trace {trace!r}")
     blocks = sum(len(r.hash_ids) for r in requests)

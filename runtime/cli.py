@@ -144,10 +144,9 @@ def _flag_config(args, disk_dir: str | None) -> StoreConfig:
 def cmd_replay(args) -> int:
     from .replay import replay
     from .store import Store
-    from .trace import read_trace
+    from .trace import read_trace, report_skipped
     requests, problems = read_trace(args.trace, args.limit, args.strict)
-    for p in problems:
-        print(f"{args.trace}: {p} (skipped)", file=sys.stderr)
+    report_skipped(args.trace, problems)
 
     async def main(cfg: StoreConfig) -> dict:
         async with Store.open(cfg) as store:

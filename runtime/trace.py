@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import json
 import math
+import sys
 from typing import IO
 
 from tiers.errors import UsageError
@@ -74,3 +75,9 @@ def read_trace(path: str, limit: int | None = None, strict: bool = False) -> tup
     except (OSError, EOFError) as exc:                 # unreadable, or a truncated gzip stream
         raise UsageError(f"cannot read trace {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
     return out, problems
+
+
+def report_skipped(path: str, problems: list[str]) -> None:
+    """Tell the user (on stderr) which lines ``read_trace`` skipped."""
+    for p in problems:
+        print(f"{path}: {p} (skipped)", file=sys.stderr)

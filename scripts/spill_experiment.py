@@ -86,7 +86,7 @@ from runtime.demo import bundled_trace  # noqa: E402
 from runtime.loop import run  # noqa: E402
 from runtime.replay import replay  # noqa: E402
 from runtime.store import Store  # noqa: E402
-from runtime.trace import TraceRequest, read_trace  # noqa: E402
+from runtime.trace import TraceRequest, read_trace, report_skipped  # noqa: E402
 from tiers.codecs import get_codec  # noqa: E402
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig  # noqa: E402
 from tiers.errors import KvtierError  # noqa: E402
@@ -513,8 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvtierError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for p in problems:
-        print(f"{trace_path}: {p} (skipped)", file=sys.stderr)
+    report_skipped(trace_path, problems)
     if not requests:
         print(f"error: no requests in {trace_path}", file=sys.stderr)
         return 2

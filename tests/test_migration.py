@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime import Store, TierIOError
-from runtime.pages import GPU, HOST
+from runtime.pages import GPU
 from runtime.trace import read_trace
 from tiers.streams import HostEvent
 
@@ -74,7 +74,7 @@ async def test_failed_move_keeps_the_source_and_reaches_every_waiter():
         # the host->gpu copy job fails, late enough that every acquire is waiting on it (a hook that
         # raised at once could fail the move before the other acquires joined it: on CUDA the eviction
         # ahead of it can finish without the loop ever yielding)
-        store.engine.up = up = FailsOnce(store.engine.up)
+        store.engine.up = FailsOnce(store.engine.up)
         seqs = [await store.open_sequence(tokens=toks(1, 4)) for _ in range(3)]
         results = await asyncio.gather(*(s.acquire() for s in seqs), return_exceptions=True)
         assert all(isinstance(r, TierIOError) for r in results), results
