@@ -666,7 +666,7 @@ class Store:
     def _close_sequence(self, seq: Sequence) -> None:
         self._release(seq)
         seq.closed = True
-        last = self.last_tier
+        last, unheld = self.last_tier, []
         for row in reversed(seq.pages):         # deepest (oldest stamp) first
             for p in row:
                 if p is None or p.dead:
@@ -675,7 +675,8 @@ class Store:
                 if not p.published:
                     self._free_page(p)
                 elif p.tier == last:            # holders only gate the last tier's queue
-                    self._requeue(p)
+                    unheld.append(p)
+        self._queue_all(unheld)                 # none is queued: it was held until now
         seq.pages = []
         seq.blocks = []
 
