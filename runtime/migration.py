@@ -177,8 +177,8 @@ class MigrationEngine:
             self.fault(src_tier, dst_tier)
         dev = self.device.torch_device
         host_dev = torch.device("cpu")
-        # a few microseconds of memcpy: cheaper on the loop than the hop to a copy thread and back
-        small = len(pages) * self._dst_width(dst_tier, dst_group) <= INLINE_BYTES
+        nbytes = len(pages) * self._dst_width(dst_tier, dst_group)
+        small = nbytes <= INLINE_BYTES   # a few µs of memcpy: cheaper on the loop than a hop to a copy thread
 
         if src_tier == GPU:
             hot = self.gpu[src_group]
@@ -241,7 +241,6 @@ class MigrationEngine:
                         rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
-        nbytes = len(pages) * self._dst_width(dst_tier, dst_group)
         self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], len(pages), nbytes, busy[0])
         return ev
 

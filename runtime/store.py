@@ -368,10 +368,8 @@ class Store:
             parent = block
         if locks:
             seq.locked.extend(p for row in seq.pages[start:] for p in row)
-        else:
-            for row in reversed(seq.pages[start:]):     # oldest stamp first: the queue's cheap path
-                for p in row:
-                    self._requeue(p)
+        else:                                           # oldest stamp first: the queue's cheap path
+            self._queue_all([p for row in reversed(seq.pages[start:]) for p in row])
         return fences
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
@@ -613,8 +611,7 @@ class Store:
                         p.published = True
                         if not p.locks:         # a locked page stays out of the queues either way
                             self._requeue(p)
-                        if p.moving is not None or p.tier == DISK:
-                            self._published_cold(p, on_disk)
+                        self._published_cold(p, on_disk)
             else:
                 seq.blocks[i] = node
                 self._adopt(node, row, seq, i, on_disk)
