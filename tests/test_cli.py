@@ -69,7 +69,9 @@ def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
         assert row["value"] > 0 and row["baseline"] > 0
         assert abs(row["ratio"] - row["value"] / row["baseline"]) < 0.01
     assert any(n.startswith("loop lag") for n in names)
-    replay, floor = [r for r in out["rows"] if r["bench"].startswith("replay")]
-    # the floor moves the same pages with no bookkeeping: faster than the store, and both measured now
+    replay, lean, floor = [r for r in out["rows"] if r["bench"].startswith("replay")]
+    # both bounds do part of the store's work and nothing more: faster than it, and all measured now
     assert 0 < replay["value"] < floor["value"] and replay["baseline"] == floor["baseline"] > 0
+    assert replay["value"] < lean["value"] and lean["baseline"] == replay["baseline"]
+    assert replay["lean_bound"] == lean["value"] and abs(lean["ratio"] - lean["value"] / lean["baseline"]) < 1e-3
     assert replay["movement_floor"] == floor["value"] and abs(floor["ratio"] - floor["value"] / floor["baseline"]) < 1e-3

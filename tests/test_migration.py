@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runtime import Store, TierIOError
+from runtime.oracle import TieredLruBound
 from runtime.pages import GPU
 from runtime.trace import read_trace
 from tiers.streams import HostEvent
@@ -150,6 +151,7 @@ async def test_tier_equivalence_with_plain_lru(tmp_path):
     requests, _ = read_trace(TRACE)
     g, h, d = 800, 2400, 6000
     oracle = PlainLru(g + h + d)
+    bound = TieredLruBound((g, h, d))     # the benchmark's lean bound: it must make the store's moves
     cfg = config(gpu=g, host=h, disk=d, disk_dir=tmp_path, tpb=512,
                  layers=[__import__("runtime").LayerSpec(0, (("k", 64),))], persist_on_close=False)
     cfg.gpu.reserve = cfg.host.reserve = 0.0     # the background reserve shrinks capacity by design
@@ -158,6 +160,7 @@ async def test_tier_equivalence_with_plain_lru(tmp_path):
         for r in requests:
             keys = list(r.hash_ids)
             oracle.request(keys)
+            bound.request(keys)
             seq = await store.open_sequence(block_keys=keys)
             hits += seq.matched_blocks
             blocks += len(keys)
@@ -169,11 +172,16 @@ async def test_tier_equivalence_with_plain_lru(tmp_path):
         await store.drain()
         store.check_consistency()
         moves = store.stats()["moves"]
+        drops = store.stats()["drops"]
     assert moves["host->disk"]["pages"] > 0 and moves["disk->gpu"]["pages"] > 0
     ours, theirs = hits / blocks, oracle.hits / oracle.blocks
-    print(f"hit rate: store {ours:.4f}, plain LRU {theirs:.4f}")
+    print(f"hit rate: store {ours:.4f}, plain LRU {theirs:.4f}, lean bound {bound.hits / bound.lookups:.4f}")
     assert theirs > 0.2
     assert abs(ours - theirs) <= 0.005, (ours, theirs)
+    assert abs(bound.hits / bound.lookups - theirs) <= 0.005
+    moved = sum(m["pages"] for m in moves.values())
+    print(f"moves: store {moved}, lean bound {bound.moves}; drops: {drops}, {bound.drops}")
+    assert abs(moved - bound.moves) <= 0.005 * bound.moves and abs(drops - bound.drops) <= 0.005 * bound.drops
 
 
 async def test_concurrent_sequences_under_pressure(tmp_path):
