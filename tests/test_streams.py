@@ -77,6 +77,23 @@ def test_submit_returns_before_slow_work_finishes(streams):
     assert ev.error is None and after.error is None
 
 
+def test_every_thread_waiting_on_one_event_wakes_when_it_is_set():
+    ev = HostEvent()
+    woke = []
+    waiters = [threading.Thread(target=lambda: (ev.synchronize(T), woke.append(1))) for _ in range(6)]
+    for t in waiters:
+        t.start()
+    time.sleep(SETTLE)
+    assert not woke                         # all blocked until the set
+    ev.set(RuntimeError("copy failed"))
+    for t in waiters:
+        t.join(T)
+    assert len(woke) == 6 and isinstance(ev.error, RuntimeError)
+    ev.synchronize(0)                       # a done event answers at once, timeout or not
+    with pytest.raises(TimeoutError):
+        HostEvent().synchronize(timeout=0)
+
+
 def test_wait_event_makes_later_work_wait(streams):
     a, b = streams("a"), streams("b")
     gate = threading.Event()
