@@ -245,7 +245,7 @@ def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
             rows += run(bench_moves(page, n, sub))
         replayed = run(bench_replay(trace or default_trace(), 300 if quick else None, tempfile.mkdtemp(dir=tmp)))
         rows.append(replayed)
-        rows.append({"bench": "replay lean bound (the same tiered LRU, one Python record per block, no bytes)",
+        rows.append({"bench": "replay lean bound (its tiered LRU, bookkeeping only)",
                      "value": replayed["lean_bound"], "unit": "blocks/s", "baseline": replayed["baseline"],
                      "baseline_is": "bare LRU prefix cache", "ratio": replayed["lean_ratio"]})
         if replayed["movement_floor"] is not None:
