@@ -1,6 +1,7 @@
 """Streams and ready events: the emulated (host) kind always, CUDA when present."""
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -92,6 +93,30 @@ def test_every_thread_waiting_on_one_event_wakes_when_it_is_set():
     ev.synchronize(0)                       # a done event answers at once, timeout or not
     with pytest.raises(TimeoutError):
         HostEvent().synchronize(timeout=0)
+
+
+def test_a_timed_wait_set_in_time_never_times_out_however_late_its_thread_runs():
+    """Set 10 ms into a 100 ms wait, then the setter keeps the GIL in one C
+    call past the deadline: every waiter still sees the event done."""
+    rng = random.Random(0)
+    big = [rng.random() for _ in range(1_000_000)]
+    ev, out = HostEvent(), []
+
+    def wait() -> None:
+        try:
+            ev.synchronize(0.1)
+            out.append("done")
+        except TimeoutError:
+            out.append("timed out")
+    waiters = [threading.Thread(target=wait) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.01)
+    ev.set()
+    sorted(big)                             # one C call: no other thread runs Python until it returns
+    for t in waiters:
+        t.join(T)
+    assert out == ["done"] * 3
 
 
 def test_wait_event_makes_later_work_wait(streams):

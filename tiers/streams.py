@@ -49,21 +49,20 @@ class Event:
 
 
 class HostEvent(Event):
-    """A point on a host stream (or a plain completion flag). Waiting uses a
-    lock held from creation until ``set``: a ``threading.Event`` (a
-    condition and two locks) cost 40x more to create, and every batch of
-    moves creates some."""
+    """A point on a host stream (or a plain completion flag). A thread that
+    must block in ``synchronize`` parks on a lock of its own, which ``set``
+    releases: nothing to wait on is made unless someone waits, where a
+    ``threading.Event`` (a condition and two locks) cost 7x more to create,
+    and every batch of moves creates some events."""
 
-    __slots__ = ("_done", "_error", "_callbacks", "_lock", "_latch")
+    __slots__ = ("_done", "_error", "_callbacks", "_lock", "_waiters")
 
     def __init__(self, done: bool = False) -> None:
         self._done = done
         self._error: BaseException | None = None
         self._callbacks: list[Callback] = []
-        self._lock = threading.Lock()       # guards _done, _error and _callbacks
-        self._latch = threading.Lock()      # held until set: synchronize acquires it, then passes it on
-        if not done:
-            self._latch.acquire()
+        self._lock = threading.Lock()       # guards all the fields
+        self._waiters: list[threading.Lock] | None = None   # held locks of the threads in synchronize
 
     def set(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -72,7 +71,9 @@ class HostEvent(Event):
             self._error = error
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
-        self._latch.release()
+            waiters, self._waiters = self._waiters, None
+        for w in waiters or ():
+            w.release()
         for cb in callbacks:
             _invoke(cb, error)
 
@@ -80,11 +81,22 @@ class HostEvent(Event):
         return self._done
 
     def synchronize(self, timeout: float | None = None) -> None:
-        if self._done:
+        with self._lock:
+            if self._done:
+                return
+            parked = threading.Lock()
+            parked.acquire()
+            if self._waiters is None:
+                self._waiters = [parked]
+            else:
+                self._waiters.append(parked)
+        if parked.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return
-        if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            raise TimeoutError("event not done in time")
-        self._latch.release()              # the next waiter's turn
+        with self._lock:
+            if self._done:                  # set as the wait ran out: done in time after all
+                return
+            self._waiters.remove(parked)
+        raise TimeoutError("event not done in time")
 
     @property
     def error(self) -> BaseException | None:
