@@ -341,17 +341,30 @@ class Store:
         return n
 
     def _place_extension(self, seq: Sequence, n: int, slots: dict[int, list[int]]) -> list:
+        """Pages for ``n`` new blocks in ``slots`` (per GPU group); returns
+        the fences of those slots."""
         start = len(seq.blocks)
-        fences = []
         n_lcs = len(self.lcs)
-        gpu_group = self.group_of[GPU]
-        owners, gpu_fences = self.owners[GPU], [a.fences for a in self.allocs[GPU]]
         locks = 1 if seq.acquired else 0
-        keys, priority = seq.keys, seq.priority
         # stamped as a touch of the new blocks deepest first would (they are in no queue yet)
         stamp = self.clock + n * n_lcs
         self.clock = stamp
+        place = self._place_blocks if n_lcs > 1 else self._place_blocks_one_lc
+        fences = place(seq, start, n, slots, locks, stamp)
+        new = seq.pages[start:]
+        if locks:
+            seq.locked.extend(p for row in new for p in row)
+        else:                                           # oldest stamp first: the queue's cheap path
+            self._queue_all([p for row in reversed(new) for p in row])
+        return fences
+
+    def _place_blocks(self, seq: Sequence, start: int, n: int, slots: dict[int, list[int]], locks: int,
+                      stamp: int) -> list:
+        n_lcs, keys, priority = len(self.lcs), seq.keys, seq.priority
+        gpu_group = self.group_of[GPU]
+        owners, gpu_fences = self.owners[GPU], [a.fences for a in self.allocs[GPU]]
         parent = seq.blocks[start - 1] if start else None
+        fences = []
         for i in range(start, start + n):
             block = Block(keys[i] if i < len(keys) else None, parent, i, n_lcs)
             row = block.pages
@@ -366,10 +379,25 @@ class Store:
             seq.blocks.append(block)
             seq.pages.append(list(row))
             parent = block
-        if locks:
-            seq.locked.extend(p for row in seq.pages[start:] for p in row)
-        else:                                           # oldest stamp first: the queue's cheap path
-            self._queue_all([p for row in reversed(seq.pages[start:]) for p in row])
+        return fences
+
+    def _place_blocks_one_lc(self, seq: Sequence, start: int, n: int, slots: dict[int, list[int]], locks: int,
+                             stamp: int) -> list:
+        """``_place_blocks`` for the common layout, one life cycle, unrolled."""
+        keys, priority = seq.keys, seq.priority
+        g = self.group_of[GPU][0]
+        mine, own, fence_of = slots[g], self.owners[GPU][g], self.allocs[GPU][g].fences
+        fences = [f for f in map(fence_of.__getitem__, mine) if f is not None]
+        blocks, rows, n_keys = seq.blocks, seq.pages, len(keys)
+        parent = blocks[start - 1] if start else None
+        for i in range(start, start + n):
+            slot = mine.pop()
+            block = Block(keys[i] if i < n_keys else None, parent, i, 1)
+            stamp -= 1
+            block.pages[0] = own[slot] = p = Page(block, 0, GPU, g, slot, priority, 1, locks, stamp + 1)
+            blocks.append(block)
+            rows.append([p])
+            parent = block
         return fences
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
