@@ -859,9 +859,13 @@ class Store:
                 back.append(p)
         self._queue_all(back)
         if self._relabel_at_unclaim:
-            later = [p for p in pages if p in self._relabel_at_unclaim]
-            self._relabel_at_unclaim.difference_update(later)
-            self._relabel(later)                # those that ended on disk
+            self._relabel_later(pages)
+
+    def _relabel_later(self, pages: Seq[Page]) -> None:
+        """Claims on ``pages`` ended: relabel those published meanwhile that ended on disk."""
+        later = [p for p in pages if p in self._relabel_at_unclaim]
+        self._relabel_at_unclaim.difference_update(later)
+        self._relabel(later)
 
     async def _obtain_many(self, tier: int, counts: dict[int, int]) -> dict[int, list[int]]:
         """Slots in several groups of one tier, all or none."""
@@ -921,7 +925,15 @@ class Store:
             raise OutOfPagesError(f"{TIER_NAMES[tier]} pool group {group}: need {need} more slots, "
                                   f"{a.free} free of {a.capacity} and only {len(victims)} evictable")
         nxt = self.next_tier[tier]
-        self._claim(victims, nxt if nxt is not None else -1)
+        to = nxt if nxt is not None else -1
+        if self.sole_group[to] is None:
+            self._claim(victims, to)
+        else:           # one queue to one group: one batch, so ``_claim``'s one future, set directly
+            fut = asyncio.get_running_loop().create_future()
+            fut.to_gpu = False
+            for p in victims:
+                p.moving = fut
+                p.moving_to = to
         return victims
 
     async def _evict(self, tier: int, victims: list[Page]) -> list[int]:
@@ -1019,8 +1031,28 @@ class Store:
         if not handoff:
             self.allocs[src_tier][src_group].release(freed, ev)
             freed = []
-        self._unclaim(batch, None)
+        self._land(batch, dst_tier, g)
         return freed
+
+    def _land(self, batch: list[Page], tier: int, group: int) -> None:
+        """``_unclaim`` for a batch that landed in ``(tier, group)``, all of
+        it bound for one queue: evictability tested inline, one push."""
+        fut, back = None, []
+        last = tier == self.last_tier
+        for p in batch:
+            if p.moving is not fut:
+                fut = p.moving
+                _settle(fut, None)
+            p.moving, p.moving_to = None, -1
+            if p.dead:
+                self._release_slot(tier, group, p.slot, p.ready)
+            elif not p.locks and (not last or (p.published and not p.holders)):
+                back.append(p)
+        if back:
+            back.sort(key=_STAMP)               # oldest first: the queue's cheap path
+            self.queues[tier][group].push_many(back)
+        if self._relabel_at_unclaim:
+            self._relabel_later(batch)
 
     def _discard_corrupt(self, batch: list[Page], bad: set[int]) -> None:
         """Pages the disk tier found corrupt are never served: drop them."""
