@@ -360,6 +360,8 @@ class Store:
 
     def _place_blocks(self, seq: Sequence, start: int, n: int, slots: dict[int, list[int]], locks: int,
                       stamp: int) -> list:
+        """Blocks ``start..start+n`` of ``seq`` with a GPU page per life
+        cycle, stamped down from ``stamp``; returns the slots' fences."""
         n_lcs, keys, priority = len(self.lcs), seq.keys, seq.priority
         gpu_group = self.group_of[GPU]
         owners, gpu_fences = self.owners[GPU], [a.fences for a in self.allocs[GPU]]
