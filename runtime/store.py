@@ -389,7 +389,8 @@ class Store:
         keys, priority = seq.keys, seq.priority
         g = self.group_of[GPU][0]
         mine, own, fence_of = slots[g], self.owners[GPU][g], self.allocs[GPU][g].fences
-        fences = [f for f in map(fence_of.__getitem__, mine) if f is not None]
+        taken = mine[len(mine) - n:]            # the slots the loop pops, in reverse
+        fences = [f for f in map(fence_of.__getitem__, reversed(taken)) if f is not None]
         blocks, rows, n_keys = seq.blocks, seq.pages, len(keys)
         parent = blocks[start - 1] if start else None
         for i in range(start, start + n):
@@ -1039,7 +1040,7 @@ class Store:
     def _land(self, batch: list[Page], tier: int, group: int) -> None:
         """``_unclaim`` for a batch that landed in ``(tier, group)``, all of
         it bound for one queue: evictability tested inline, one push."""
-        fut, back = None, []
+        fut, back, dead = None, [], []
         last = tier == self.last_tier
         for p in batch:
             if p.moving is not fut:
@@ -1047,9 +1048,11 @@ class Store:
                 _settle(fut, None)
             p.moving, p.moving_to = None, -1
             if p.dead:
-                self._release_slot(tier, group, p.slot, p.ready)
-            elif not p.locks and (not last or (p.published and not p.holders)):
+                dead.append(p)
+            elif p.qentry is None and not p.locks and (not last or (p.published and not p.holders)):
                 back.append(p)
+        for p in sorted(dead, key=_STAMP):      # in stamp order, as _unclaim frees them
+            self._release_slot(tier, group, p.slot, p.ready)
         if back:
             back.sort(key=_STAMP)               # oldest first: the queue's cheap path
             self.queues[tier][group].push_many(back)

@@ -83,7 +83,7 @@ class StoreMachine(RuleBasedStateMachine):
         except (OutOfPagesError, TierIOError):    # the other open sequences hold the pool; a move failed
             pass
         else:
-            write_blocks(self.store, seq, range(start, len(seq.keys)))
+            self._write_new(seq, start)
             seq.commit(seq.num_blocks)
             self.published.update((i, k) for i, k in enumerate(seq.keys[:seq.committed]))
         self.run(seq.close())
@@ -122,6 +122,10 @@ class StoreMachine(RuleBasedStateMachine):
         except (OutOfPagesError, TierIOError):
             assert seq.num_blocks == start
             return
+        self._write_new(seq, start)
+
+    def _write_new(self, seq, start: int) -> None:
+        """Write blocks ``start`` on and those the store says to recompute, as an engine must."""
         redo = {b for lc in self.store.lcs for b in seq.recompute_blocks(lc.layers[0].id)}
         write_blocks(self.store, seq, sorted(set(range(start, len(seq.keys))) | redo))
 
