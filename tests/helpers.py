@@ -67,5 +67,17 @@ async def fill(store, tokens, n_blocks=None, priority=None):
     return seq
 
 
+async def prefill_keys(store, keys) -> int:
+    """One metadata-only request on block keys (no page content), as the
+    benchmark replays a trace; returns its matched blocks."""
+    seq = await store.open_sequence(block_keys=keys)
+    await seq.acquire()
+    await seq.extend(len(keys) - seq.num_blocks)
+    seq.commit(len(keys))
+    await seq.release()
+    await seq.close()
+    return seq.matched_blocks
+
+
 def toks(base, n_blocks, tpb=4):
     return [base * 100000 + i for i in range(n_blocks * tpb)]

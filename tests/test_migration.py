@@ -17,7 +17,8 @@ from runtime.pages import GPU
 from runtime.trace import read_trace
 from tiers.streams import HostEvent
 
-from helpers import DEVICE, config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
+from helpers import (DEVICE, config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles,
+                     write_blocks)
 
 TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces",
                      "synthetic_trace.jsonl")
@@ -161,14 +162,8 @@ async def test_tier_equivalence_with_plain_lru(tmp_path):
             keys = list(r.hash_ids)
             oracle.request(keys)
             bound.request(keys)
-            seq = await store.open_sequence(block_keys=keys)
-            hits += seq.matched_blocks
+            hits += await prefill_keys(store, keys)
             blocks += len(keys)
-            await seq.acquire()
-            await seq.extend(len(keys) - seq.num_blocks)
-            seq.commit(len(keys))
-            await seq.release()
-            await seq.close()
         await store.drain()
         store.check_consistency()
         moves = store.stats()["moves"]

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from runtime import LayerSpec, Store
 from runtime.oracle import LruPrefixCache, TieredLruBound
 
-from helpers import config
+from helpers import config, prefill_keys
 
 # requests as walks over a small key tree: shared prefixes, as in a trace
 requests = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1, max_size=60)
@@ -92,13 +92,7 @@ async def test_the_bound_makes_the_stores_decisions(tmp_path, caps):
     async with Store.open(cfg) as store:
         for keys in reqs:
             bound.request(keys)
-            seq = await store.open_sequence(block_keys=keys)
-            hits += seq.matched_blocks
-            await seq.acquire()
-            await seq.extend(len(keys) - seq.num_blocks)
-            seq.commit(len(keys))
-            await seq.release()
-            await seq.close()
+            hits += await prefill_keys(store, keys)
         await store.drain()
         stats = store.stats()
     moved = sum(m["pages"] for m in stats["moves"].values())
