@@ -224,8 +224,10 @@ async def test_bench_replay_reports_skipped_lines_and_refuses_a_trace_with_no_re
     from runtime.bench import bench_replay
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}\nnot json\n')
+    huge = json.dumps({"timestamp": 2, "input_length": 5, "output_length": 1, "hash_ids": list(range(9, 5009))})
+    mixed.write_text(mixed.read_text() + huge + "\n")   # longer than the bench's GPU tier: refused, not a crash
     row = await bench_replay(str(mixed), None, str(tmp_path))
-    assert row["value"] > 0
+    assert row["value"] > 0 and row["lean_bound"] > 0
     assert "line 2" in capsys.readouterr().err           # said, not silently dropped
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
