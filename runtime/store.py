@@ -826,13 +826,22 @@ class Store:
         node.children = {}
 
     # -- claims, eviction and moves ------------------------------------------------------------
-    def _claim(self, pages: Seq[Page], to_tier: int, propagate: bool = True) -> None:
+    def _claim(self, pages: Seq[Page], to_tier: int, propagate: bool = True, one_queue: bool = False) -> None:
         """Mark pages as moving: one future per batch the move will run
         (source tier and group, destination group), none per page; waiters
         on a promotion get its error when ``propagate``. A waiter thus
-        learns the fate of its own pages' batch, not of the whole claim."""
+        learns the fate of its own pages' batch, not of the whole claim.
+        ``one_queue``: the pages were just popped from one queue (one source,
+        none queued), so a destination with one group makes one batch."""
         loop = asyncio.get_running_loop()
         to_gpu = to_tier == GPU and propagate
+        if one_queue and self.sole_group[to_tier] is not None:
+            fut = loop.create_future()
+            fut.to_gpu = to_gpu
+            for p in pages:
+                p.moving = fut
+                p.moving_to = to_tier
+            return
         dst_group = self.group_of[to_tier]    # drops (-1) key by the disk's groups: any stable key does
         futs: dict[tuple[int, int, int], asyncio.Future] = {}
         key = None
@@ -850,8 +859,16 @@ class Store:
                 self.queues[p.tier][p.group].remove(p)
 
     def _unclaim(self, pages: Seq[Page], exc: BaseException | None) -> None:
-        fut, back = None, []
-        for p in sorted(pages, key=_STAMP):      # requeued oldest first: the queue's cheap path
+        self._queue_all(self._end_claims(pages, exc))
+        if self._relabel_at_unclaim:
+            self._relabel_later(pages)
+
+    def _end_claims(self, pages: Seq[Page], exc: BaseException | None) -> list[Page]:
+        """Settle the claims' futures and clear them; free the slots of pages
+        freed meanwhile. Returns the live pages, oldest stamp first (the
+        queue's cheap path when they are requeued)."""
+        fut, live = None, []
+        for p in sorted(pages, key=_STAMP):
             if p.moving is not fut:
                 fut = p.moving
                 _settle(fut, exc)
@@ -859,10 +876,8 @@ class Store:
             if p.dead:
                 self._release_slot(p.tier, p.group, p.slot, p.ready)
             else:
-                back.append(p)
-        self._queue_all(back)
-        if self._relabel_at_unclaim:
-            self._relabel_later(pages)
+                live.append(p)
+        return live
 
     def _relabel_later(self, pages: Seq[Page]) -> None:
         """Claims on ``pages`` ended: relabel those published meanwhile that ended on disk."""
@@ -928,15 +943,7 @@ class Store:
             raise OutOfPagesError(f"{TIER_NAMES[tier]} pool group {group}: need {need} more slots, "
                                   f"{a.free} free of {a.capacity} and only {len(victims)} evictable")
         nxt = self.next_tier[tier]
-        to = nxt if nxt is not None else -1
-        if self.sole_group[to] is None:
-            self._claim(victims, to)
-        else:           # one queue to one group: one batch, so ``_claim``'s one future, set directly
-            fut = asyncio.get_running_loop().create_future()
-            fut.to_gpu = False
-            for p in victims:
-                p.moving = fut
-                p.moving_to = to
+        self._claim(victims, nxt if nxt is not None else -1, one_queue=True)
         return victims
 
     async def _evict(self, tier: int, victims: list[Page]) -> list[int]:
@@ -1040,21 +1047,10 @@ class Store:
     def _land(self, batch: list[Page], tier: int, group: int) -> None:
         """``_unclaim`` for a batch that landed in ``(tier, group)``, all of
         it bound for one queue: evictability tested inline, one push."""
-        fut, back, dead = None, [], []
         last = tier == self.last_tier
-        for p in batch:
-            if p.moving is not fut:
-                fut = p.moving
-                _settle(fut, None)
-            p.moving, p.moving_to = None, -1
-            if p.dead:
-                dead.append(p)
-            elif p.qentry is None and not p.locks and (not last or (p.published and not p.holders)):
-                back.append(p)
-        for p in sorted(dead, key=_STAMP):      # in stamp order, as _unclaim frees them
-            self._release_slot(tier, group, p.slot, p.ready)
+        back = [p for p in self._end_claims(batch, None)
+                if p.qentry is None and not p.locks and (not last or (p.published and not p.holders))]
         if back:
-            back.sort(key=_STAMP)               # oldest first: the queue's cheap path
             self.queues[tier][group].push_many(back)
         if self._relabel_at_unclaim:
             self._relabel_later(batch)
