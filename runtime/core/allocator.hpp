@@ -1,0 +1,93 @@
+// Slot allocation for one (tier, pool group): all-or-nothing, ready slots first.
+//
+// A freed slot keeps the fence (event id) of the last copy that touched it;
+// its next owner waits on that event before writing. Event ids are the
+// caller's (Python's event table): 0 means "no fence" (none, or already passed).
+#pragma once
+
+#include <cassert>
+#include <cstdint>
+#include <deque>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvtier {
+
+class SlotAllocator {
+ public:
+  explicit SlotAllocator(int32_t capacity = 0) : capacity_(capacity), is_free_(capacity, 1), fence_(capacity, 0) {
+    ready_.reserve(capacity);
+    for (int32_t s = capacity - 1; s >= 0; --s) ready_.push_back(s);     // a stack: slot 0 goes first
+  }
+
+  int32_t capacity() const { return capacity_; }
+  int32_t free() const { return int32_t(ready_.size() + fenced_.size()); }
+  int32_t used() const { return capacity_ - free(); }
+  bool is_free(int32_t s) const { return is_free_[s] != 0; }
+  int32_t fence(int32_t s) const { return fence_[s]; }
+
+  // `n` slots appended to `out` (top of the ready stack first, then the
+  // oldest fenced), or false with nothing taken if fewer are free.
+  bool allocate(int32_t n, std::vector<int32_t>& out) {
+    if (n < 0 || n > free()) return false;
+    int32_t k = std::min<int32_t>(n, int32_t(ready_.size()));
+    for (int32_t i = 0; i < k; ++i) {
+      out.push_back(ready_.back());
+      ready_.pop_back();
+    }
+    for (int32_t i = k; i < n; ++i) {
+      out.push_back(fenced_.front());
+      fenced_.pop_front();
+    }
+    for (size_t i = out.size() - n; i < out.size(); ++i) is_free_[out[i]] = 0;
+    return true;
+  }
+
+  // Give slots back; `fence` (0: none) marks the last copy that touched them.
+  // Throws std::invalid_argument, with nothing changed, on a slot that is
+  // out of range, already free or repeated.
+  void release(const int32_t* slots, size_t n, int32_t fence) {
+    for (size_t i = 0; i < n; ++i) {
+      int32_t s = slots[i];
+      if (s < 0 || s >= capacity_ || is_free_[s]) bad(s, slots, i);
+      is_free_[s] = 1;                                       // marks repeats within this call
+    }
+    for (size_t i = 0; i < n; ++i) {
+      fence_[slots[i]] = fence;
+      if (fence == 0) ready_.push_back(slots[i]); else fenced_.push_back(slots[i]);
+    }
+  }
+
+  // Give one slot back with the fence it already carries (a slot taken and
+  // never used: its next owner still waits on the copy before).
+  void give_back(int32_t s) { release(&s, 1, fence_[s]); }
+
+  // Recovery: take exactly the slots not in `keep` out of the free pool order
+  // so that the lowest free slots go first. `keep[s]` != 0: in use.
+  void reset_used(const std::vector<uint8_t>& keep) {
+    ready_.clear();
+    fenced_.clear();
+    for (int32_t s = capacity_ - 1; s >= 0; --s) {
+      is_free_[s] = keep[s] ? 0 : 1;
+      fence_[s] = 0;
+      if (!keep[s]) ready_.push_back(s);
+    }
+  }
+
+ private:
+  [[noreturn]] void bad(int32_t s, const int32_t* slots, size_t upto) {
+    for (size_t j = 0; j < upto; ++j) is_free_[slots[j]] = 0;   // undo the marks: nothing changed
+    throw std::invalid_argument("slot " + std::to_string(s) + " released twice or never allocated");
+  }
+
+  int32_t capacity_;
+  // Invariant: every slot is in exactly one of ready_, fenced_ or in use;
+  // is_free_[s] == 1 exactly for the first two.
+  std::vector<int32_t> ready_;        // stack (top = back): fence passed or none
+  std::deque<int32_t> fenced_;        // FIFO: fenced by a copy that may still run
+  std::vector<uint8_t> is_free_;
+  std::vector<int32_t> fence_;        // per slot: the event its next owner waits on (0: none)
+};
+
+}  // namespace kvtier

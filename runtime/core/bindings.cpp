@@ -1,0 +1,395 @@
+// Python bindings of the native core (nanobind): runtime.core._core.
+//
+// Page lists cross the boundary as `Pages`, an opaque array of page ids that
+// Python passes back without looking inside; slot lists, fences and claim ids
+// as plain lists (Python consumes them). Keys arrive as Python ints or bytes
+// and are converted here (see keys.hpp for the stored form).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "blake2b.hpp"
+#include "core.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using kvtier::Core;
+using kvtier::Ids;
+using kvtier::Key;
+
+namespace {
+
+struct Pages {
+  Ids ids;
+};
+
+// A caller's key (int or non-empty bytes) in the core's form; raises
+// ValueError / TypeError naming the problem.
+Key to_key(PyObject* o) {
+  Key k{};
+  if (PyLong_Check(o) && !PyBool_Check(o)) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (!overflow) {
+      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+      uint64_t lo = uint64_t(v), hi = v < 0 ? ~uint64_t(0) : 0;
+      std::memcpy(k.bytes, &lo, 8);
+      std::memcpy(k.bytes + 8, &hi, 8);
+    } else {
+      nb::object b;
+      try {
+        b = nb::borrow(o).attr("to_bytes")(16, "little", "signed"_a = true);
+      } catch (nb::python_error&) {
+        throw nb::value_error("an int block key must fit in 128 bits (-2**127 <= key < 2**127)");
+      }
+      std::memcpy(k.bytes, PyBytes_AsString(b.ptr()), 16);
+    }
+    k.tag = 0;
+    return k;
+  }
+  if (PyBytes_Check(o)) {
+    Py_ssize_t n = PyBytes_GET_SIZE(o);
+    const char* p = PyBytes_AS_STRING(o);
+    if (n == 0) throw nb::value_error("block key b'' is reserved (the disk tier's mark for uncommitted pages)");
+    if (n <= 16) {
+      std::memcpy(k.bytes, p, size_t(n));
+      k.tag = uint8_t(n);
+    } else {
+      kvtier::Blake2b h(16);
+      h.update(p, size_t(n));
+      h.finish(k.bytes);
+      k.tag = 16;
+    }
+    return k;
+  }
+  throw nb::type_error("a block key must be an int or bytes");
+}
+
+std::vector<Key> to_keys(nb::handle seq) {
+  nb::object fast = nb::steal(PySequence_Fast(seq.ptr(), "block keys must be a sequence"));
+  if (!fast.is_valid()) throw nb::python_error();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+  std::vector<Key> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) out[size_t(i)] = to_key(items[i]);
+  return out;
+}
+
+nb::object from_key(const Key& k) {
+  if (k.tag != 0) return nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(k.bytes), k.tag));
+  int64_t lo;
+  uint64_t hi;
+  std::memcpy(&lo, k.bytes, 8);
+  std::memcpy(&hi, k.bytes + 8, 8);
+  if (hi == (lo < 0 ? ~uint64_t(0) : 0)) return nb::steal(PyLong_FromLongLong(lo));
+  nb::bytes raw(reinterpret_cast<const char*>(k.bytes), 16);
+  return nb::module_::import_("builtins").attr("int").attr("from_bytes")(raw, "little", "signed"_a = true);
+}
+
+// {group: [slots]} (or a list indexed by group) as the core's per-group vectors.
+std::vector<Ids> slots_by_group(const Core& c, int tier, nb::handle slots) {
+  std::vector<Ids> out(size_t(c.n_groups(tier)));
+  nb::dict d = nb::cast<nb::dict>(slots);
+  for (auto [g, v] : d) {
+    int gi = nb::cast<int>(g);
+    if (gi < 0 || gi >= c.n_groups(tier)) throw nb::value_error("slots for a pool group that does not exist");
+    out[size_t(gi)] = nb::cast<Ids>(v);
+  }
+  return out;
+}
+
+void check_tier_group(const Core& c, int tier, int group) {
+  if (tier < 0 || tier >= kvtier::kTiers || group < 0 || group >= c.n_groups(tier))
+    throw nb::index_error("no such tier and pool group");
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "kvtier's native control plane: page table, prefix index, slot allocators, LRU queues, decisions";
+  nb::exception<kvtier::CoreError>(m, "CoreError", PyExc_RuntimeError);
+
+  m.def(
+      "chain_block_keys",
+      [](nb::bytes tokens, size_t tokens_per_block, nb::bytes salt, nb::bytes parent) {
+        // tokens: little-endian int64 bytes (numpy's tobytes of an '<i8' array)
+        if (tokens_per_block == 0) throw nb::value_error("tokens_per_block must be positive");
+        size_t n_tokens = tokens.size() / 8;
+        size_t n_blocks = n_tokens / tokens_per_block;
+        std::string out(n_blocks * 16, '\0');
+        std::vector<int64_t> toks(n_tokens);
+        std::memcpy(toks.data(), tokens.c_str(), n_tokens * 8);
+        {
+          nb::gil_scoped_release nogil;
+          kvtier::chain_block_keys(toks.data(), n_tokens, tokens_per_block,
+                                   reinterpret_cast<const uint8_t*>(salt.c_str()), salt.size(),
+                                   reinterpret_cast<const uint8_t*>(parent.c_str()), parent.size(),
+                                   reinterpret_cast<uint8_t*>(out.data()));
+        }
+        nb::list keys;
+        for (size_t i = 0; i < n_blocks; ++i) keys.append(nb::bytes(out.data() + 16 * i, 16));
+        return keys;
+      },
+      "tokens"_a, "tokens_per_block"_a, "salt"_a, "parent"_a,
+      "Chained BLAKE2b-128 block keys of every full block of `tokens` (little-endian int64 bytes).");
+
+  nb::class_<Pages>(m, "Pages", "An opaque array of page ids, passed back to the core.")
+      .def(nb::init<>())
+      .def("__init__", [](Pages* p, Ids ids) { new (p) Pages{std::move(ids)}; })
+      .def("__len__", [](const Pages& p) { return p.ids.size(); })
+      .def("__bool__", [](const Pages& p) { return !p.ids.empty(); })
+      .def("tolist", [](const Pages& p) { return p.ids; })
+      .def("slice", [](const Pages& p, size_t a, size_t b) {
+        a = std::min(a, p.ids.size());
+        b = std::min(std::max(a, b), p.ids.size());
+        return Pages{Ids(p.ids.begin() + a, p.ids.begin() + b)};
+      });
+
+  nb::class_<Core>(m, "Core")
+      .def("__init__",
+           [](Core* c, int32_t tpb, std::vector<std::tuple<bool, int64_t, int64_t, int>> lcs,
+              std::vector<std::vector<int32_t>> group_of, std::vector<std::vector<int32_t>> capacity) {
+             std::vector<kvtier::LifeCycle> v;
+             for (auto& [ssm, window, sinks, reuse] : lcs) {
+               if (reuse < 0 || reuse > 3) throw nb::value_error("reuse must be 0..3");
+               v.push_back({ssm, window, sinks, kvtier::Reuse(reuse)});
+             }
+             new (c) Core(tpb, std::move(v), std::move(group_of), std::move(capacity));
+           },
+           "tokens_per_block"_a, "life_cycles"_a, "group_of"_a, "capacity"_a)
+      // -- sequences
+      .def("open", [](Core& c, nb::handle keys, int priority) {
+             auto r = c.open_seq(to_keys(keys), priority);
+             return nb::make_tuple(r.seq, r.matched, nb::make_tuple(r.by_tier[0], r.by_tier[1], r.by_tier[2], r.by_tier[3]));
+           })
+      .def("append_keys", [](Core& c, int32_t s, nb::handle keys) { c.append_keys(s, to_keys(keys)); })
+      .def("close", &Core::close_seq)
+      .def("num_blocks", [](const Core& c, int32_t s) { return c.seq(s).blocks.size(); })
+      .def("committed", [](const Core& c, int32_t s) { return c.seq(s).committed; })
+      .def("acquired", [](const Core& c, int32_t s) { return c.seq(s).acquired; })
+      .def("place_extension", [](Core& c, int32_t s, int32_t n, nb::handle slots) {
+             auto v = slots_by_group(c, kvtier::GPU, slots);
+             return c.place_extension(s, n, v);
+           })
+      .def("undo_extend", &Core::undo_extend)
+      .def("acquire_now", &Core::acquire_now)
+      .def("acquire_scan", [](Core& c, int32_t s) {
+             Ids holes, claims;
+             c.acquire_scan(s, holes, claims);
+             return nb::make_tuple(holes, claims);
+           })
+      .def("fill_holes", [](Core& c, int32_t s, const Ids& holes, nb::handle slots) {
+             auto v = slots_by_group(c, kvtier::GPU, slots);
+             return c.fill_holes(s, holes, v);
+           })
+      .def("lock_needed", [](Core& c, int32_t s) { return Pages{c.lock_needed(s)}; })
+      .def("finish_acquire", [](Core& c, int32_t s, const Pages& p) { c.finish_acquire(s, p.ids); })
+      .def("undo_acquire", [](Core& c, int32_t s, const Pages& p) { c.undo_acquire(s, p.ids); })
+      .def("unlock", [](Core& c, const Pages& p) { c.unlock(p.ids); })
+      .def("release", &Core::release)
+      .def("ready_events", &Core::ready_events)
+      .def("prefetch_pages", [](Core& c, int32_t s) { return Pages{c.prefetch_pages(s)}; })
+      .def("commit", &Core::commit)
+      .def("page_indices", [](const Core& c, int32_t s, int lc) { return c.page_indices(s, lc); })
+      .def("recompute_blocks", [](const Core& c, int32_t s, int lc) { return c.recompute_blocks(s, lc); })
+      // -- slots
+      .def("allocate", [](Core& c, int tier, int g, int32_t n) -> nb::object {
+             check_tier_group(c, tier, g);
+             Ids out;
+             if (!c.allocate(tier, g, n, out)) return nb::none();
+             return nb::cast(out);
+           })
+      .def("release_slots", [](Core& c, int tier, int g, const Ids& slots, int32_t fence) {
+             check_tier_group(c, tier, g);
+             c.release_slots(tier, g, slots, fence);
+           }, "tier"_a, "group"_a, "slots"_a, "fence"_a = 0)
+      .def("give_back", [](Core& c, int tier, int g, const Ids& slots) {
+             check_tier_group(c, tier, g);
+             c.give_back(tier, g, slots);
+           })
+      .def("slot_fences", [](const Core& c, int tier, int g, const Ids& slots) {
+             check_tier_group(c, tier, g);
+             return c.slot_fences(tier, g, slots);
+           })
+      .def("free", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return c.allocator(tier, g).free(); })
+      .def("capacity", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return c.allocator(tier, g).capacity(); })
+      .def("used", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return c.allocator(tier, g).used(); })
+      .def("is_free", [](const Core& c, int tier, int g, int32_t s) {
+             check_tier_group(c, tier, g);
+             if (s < 0 || s >= c.allocator(tier, g).capacity()) throw nb::index_error("no such slot");
+             return c.allocator(tier, g).is_free(s);
+           })
+      .def("queue_len", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return c.queue_len(tier, g); })
+      .def("n_groups", &Core::n_groups)
+      // -- claims, eviction and moves
+      .def("claim", [](Core& c, const Pages& p, int to_tier, bool one_queue) { return c.claim(p.ids, to_tier, one_queue); },
+           "pages"_a, "to_tier"_a, "one_queue"_a = false)
+      .def("claims_of", [](const Core& c, const Pages& p) { return c.claims_of(p.ids); })
+      .def("cold_pages", [](const Core& c, const Pages& p) { return Pages{c.cold_pages(p.ids)}; })
+      .def("group_counts", [](const Core& c, const Pages& p, int tier) { return c.group_counts(p.ids, tier); })
+      .def("unclaim", [](Core& c, const Pages& p) { return c.unclaim(p.ids); })
+      .def("pick_victims", [](Core& c, int tier, int g, int32_t need, int32_t extra) -> nb::object {
+             check_tier_group(c, tier, g);
+             Ids victims, claims;
+             if (!c.pick_victims(tier, g, need, extra, victims, claims)) return nb::none();
+             return nb::make_tuple(Pages{std::move(victims)}, claims);
+           })
+      .def("droppable", [](const Core& c, const Pages& p) { return c.droppable(p.ids); })
+      .def("drop_victims", [](Core& c, int tier, const Pages& p) {
+             auto r = c.drop_victims(tier, p.ids);
+             return nb::make_tuple(r.claims, r.slots);
+           })
+      .def("split_batches", [](const Core& c, const Pages& p, int dst_tier) {
+             nb::list out;
+             for (auto& b : c.split_batches(p.ids, dst_tier))
+               out.append(nb::make_tuple(int(b.src_tier), b.src_group, b.dst_group, Pages{b.pages}));
+             return out;
+           })
+      .def("batch_view", [](const Core& c, const Pages& p) {
+             // (source tier, source group, source slots, life cycles, distinct ready events)
+             Ids slots, lcs, ready;
+             for (int32_t id : p.ids) {
+               const kvtier::Page& pg = c.page(id);
+               slots.push_back(pg.slot);
+               lcs.push_back(pg.lc);
+               if (pg.ready && std::find(ready.begin(), ready.end(), pg.ready) == ready.end()) ready.push_back(pg.ready);
+             }
+             int tier = p.ids.empty() ? -1 : c.page(p.ids[0]).tier;
+             int group = p.ids.empty() ? -1 : c.page(p.ids[0]).group;
+             return nb::make_tuple(tier, group, slots, lcs, ready);
+           })
+      .def("records", [](const Core& c, const Pages& p, nb::handle make, nb::handle anonymous) {
+             // make(key, parent key or None, depth, life cycle, priority) per page; anonymous for unpublished pages
+             nb::list out;
+             for (int32_t id : p.ids) {
+               const kvtier::Page& pg = c.page(id);
+               if (pg.published && pg.block >= 0) {
+                 const kvtier::Block& b = c.block(pg.block);
+                 nb::object parent = b.parent >= 0 ? from_key(c.block(b.parent).key) : nb::none();
+                 out.append(make(from_key(b.key), parent, b.depth, int(pg.lc), int(pg.priority)));
+               } else {
+                 out.append(make(anonymous, nb::none(), 0, int(pg.lc), int(pg.priority)));
+               }
+             }
+             return out;
+           })
+      .def("land", [](Core& c, const Pages& p, int dst_tier, int g, const Ids& dst_slots, int32_t event, bool handoff) {
+             check_tier_group(c, dst_tier, g);
+             auto r = c.land(p.ids, dst_tier, g, dst_slots, event, handoff);
+             return nb::make_tuple(r.claims, r.slots);
+           })
+      .def("discard_corrupt", [](Core& c, const Pages& p, const Ids& bad) { return c.discard_corrupt(p.ids, bad); })
+      // -- the disk tier across restarts
+      .def("persist_candidates", [](const Core& c) {
+             nb::list out;
+             for (auto& ids : c.persist_candidates()) out.append(Pages{std::move(ids)});
+             return out;
+           })
+      .def("still_persistable", [](const Core& c, const Pages& p) { return Pages{c.still_persistable(p.ids)}; })
+      .def("recover", [](Core& c, nb::handle keys, nb::handle parents, const std::vector<int32_t>& depth,
+                         const std::vector<int32_t>& lc, const std::vector<int32_t>& group,
+                         const std::vector<int32_t>& slot, const std::vector<int32_t>& priority,
+                         const std::vector<int64_t>& generation) {
+             nb::list k = nb::cast<nb::list>(keys), pa = nb::cast<nb::list>(parents);
+             size_t n = k.size();
+             if (pa.size() != n || depth.size() != n || lc.size() != n || group.size() != n || slot.size() != n ||
+                 priority.size() != n || generation.size() != n)
+               throw nb::value_error("recover: columns of different lengths");
+             std::vector<kvtier::RecoveredRecord> recs(n);
+             for (size_t i = 0; i < n; ++i) {
+               kvtier::RecoveredRecord& r = recs[i];
+               nb::handle key = k[i], parent = pa[i];
+               r.anonymous = key.is_none() || (PyBytes_Check(key.ptr()) && PyBytes_GET_SIZE(key.ptr()) == 0);
+               bool bad = false;
+               if (!r.anonymous) {
+                 try { r.key = to_key(key.ptr()); } catch (nb::builtin_exception&) { bad = true; } catch (nb::python_error&) { bad = true; }
+               }
+               r.has_parent = !parent.is_none();
+               if (r.has_parent && !bad) {
+                 try { r.parent = to_key(parent.ptr()); } catch (nb::builtin_exception&) { bad = true; } catch (nb::python_error&) { bad = true; }
+               }
+               r.depth = bad ? -1 : depth[i];       // a key the core cannot hold: discarded as a bad record
+               r.lc = lc[i];
+               r.group = group[i];
+               r.slot = slot[i];
+               r.priority = priority[i];
+               r.generation = generation[i];
+             }
+             std::vector<Ids> forget;
+             {
+               nb::gil_scoped_release nogil;
+               forget = c.recover(recs);
+             }
+             return forget;
+           })
+      // -- drains
+      .def("take_disk_frees", &Core::take_disk_frees)
+      .def("take_relabels", [](Core& c) {
+             nb::list out;
+             for (auto& [g, ids] : c.take_relabels()) {
+               Ids slots;
+               for (int32_t id : ids) slots.push_back(c.page(id).slot);
+               out.append(nb::make_tuple(g, slots, Pages{std::move(ids)}));
+             }
+             return out;
+           })
+      // -- queries
+      .def("counters", [](const Core& c) {
+             auto& k = c.counters();
+             nb::dict d;
+             d["hits"] = nb::make_tuple(k.hits[0], k.hits[1], k.hits[2]);
+             d["lookup_blocks"] = k.lookup_blocks;
+             d["drops"] = k.drops;
+             d["recovered"] = k.recovered;
+             d["orphaned"] = k.orphaned;
+             d["discarded"] = k.discarded;
+             return d;
+           })
+      .def("add_discarded", [](Core& c, int64_t n) { c.counters().discarded += n; })
+      .def("state_counts", &Core::state_counts)
+      .def("indexed_blocks", &Core::indexed_blocks)
+      .def("live_pages", &Core::live_pages)
+      .def("live_blocks", &Core::live_blocks)
+      .def("memory_bytes", &Core::memory_bytes)
+      .def_prop_ro("clock", &Core::clock)
+      .def("last_tier", &Core::last_tier)
+      .def("check", &Core::check)
+      .def("page_info", [](const Core& c, int32_t id) {
+             const kvtier::Page& p = c.page(id);
+             nb::dict d;
+             d["tier"] = int(p.tier);
+             d["group"] = int(p.group);
+             d["slot"] = p.slot;
+             d["lc"] = int(p.lc);
+             d["locks"] = int(p.locks);
+             d["holders"] = int(p.holders);
+             d["published"] = bool(p.published);
+             d["dead"] = bool(p.dead);
+             d["claim"] = p.claim;
+             d["stamp"] = p.stamp;
+             d["priority"] = int(p.priority);
+             d["depth"] = p.block >= 0 ? c.block(p.block).depth : -1;
+             return d;
+           })
+      .def("seq_pages", [](const Core& c, int32_t s) {
+             // per block, per life cycle: page id or -1 (tests and tools)
+             const kvtier::Seq& q = c.seq(s);
+             return q.pages;
+           })
+      .def("find", [](const Core& c, nb::handle key) -> nb::object {
+             // an indexed block: (depth, parent key or None, [page id per life cycle]) or None
+             int32_t b = c.find_block(to_key(key.ptr()));
+             if (b < 0) return nb::none();
+             const kvtier::Block& x = c.block(b);
+             Ids pages;
+             for (int lc = 0; lc < c.n_lcs(); ++lc) pages.push_back(c.block_page(b, lc));
+             nb::object parent = x.parent >= 0 ? from_key(c.block(x.parent).key) : nb::none();
+             return nb::make_tuple(x.depth, parent, pages);
+           });
+}

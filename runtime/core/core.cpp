@@ -1,0 +1,1159 @@
+// The core's decisions. Each one mirrors the pure-Python model
+// (runtime/model.py) step for step: the differential tests hold the two to
+// identical slots, stamps, victims and drops.
+#include "core.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace kvtier {
+
+namespace {
+constexpr int32_t kNoSole = INT32_MIN;
+
+void require(bool ok, const char* what) {
+  if (!ok) throw CoreError(what);
+}
+}  // namespace
+
+Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std::vector<int32_t>> group_of,
+           std::vector<std::vector<int32_t>> capacity)
+    : tpb_(tokens_per_block), lcs_(std::move(lcs)), group_of_(std::move(group_of)), index_(int(lcs_.size())) {
+  require(tpb_ > 0, "tokens_per_block must be positive");
+  require(!lcs_.empty() && lcs_.size() < 256, "1..255 life cycles");
+  require(group_of_.size() == kTiers && capacity.size() == kTiers, "group_of and capacity need a row per tier");
+  require(!capacity[GPU].empty(), "the GPU tier needs a pool group");
+  int prev = -1;
+  size_t total_slots = 0;
+  for (int t = 0; t < kTiers; ++t) {
+    require(group_of_[t].size() == lcs_.size(), "group_of needs a group per life cycle");
+    require(capacity[t].size() < 256, "at most 255 pool groups per tier");
+    allocs_.emplace_back();
+    queues_.emplace_back();
+    owners_.emplace_back();
+    for (size_t g = 0; g < capacity[t].size(); ++g) {
+      require(capacity[t][g] >= 0, "a capacity must not be negative");
+      allocs_[t].emplace_back(capacity[t][g]);
+      queues_[t].emplace_back(int8_t(t), uint8_t(g));
+      owners_[t].emplace_back(size_t(capacity[t][g]), -1);
+      total_slots += size_t(capacity[t][g]);
+    }
+    if (!capacity[t].empty()) {
+      for (int32_t g : group_of_[t]) require(g >= 0 && size_t(g) < capacity[t].size(), "group out of range");
+      if (prev >= 0) next_tier_[prev] = t;
+      prev = t;
+      last_tier_ = t;
+    }
+    int32_t sole = group_of_[t][0];
+    for (int32_t g : group_of_[t])
+      if (g != sole) sole = kNoSole;
+    sole_group_.push_back(sole);
+  }
+  bool all_private = true;
+  for (size_t i = 0; i < lcs_.size(); ++i) {
+    const LifeCycle& lc = lcs_[i];
+    if (lc.ssm || lc.window) reads_all_ = false;
+    if (lc.reuse != PRIVATE) all_private = false;
+    if (lc.limits_match()) limiting_lcs_.push_back(int(i));
+  }
+  shares_nothing_ = all_private;
+  pt_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
+}
+
+Seq& Core::live_seq(int32_t s) {
+  if (s < 0 || size_t(s) >= seqs_.size() || !seqs_[s].in_use) throw CoreError("no such sequence");
+  return seqs_[s];
+}
+
+int32_t Core::next_claim() {
+  claim_counter_ = claim_counter_ == INT32_MAX ? 1 : claim_counter_ + 1;
+  return claim_counter_;
+}
+
+// -- page bookkeeping ---------------------------------------------------------------
+
+void Core::set_block(int32_t id, int32_t b) {
+  Page& p = pt_[id];
+  if (p.block == b) return;
+  if (b >= 0) index_.ref(b);
+  if (p.block >= 0) index_.unref(p.block);
+  p.block = b;
+}
+
+int32_t Core::new_page(int32_t block, int lc, int tier, int group, int32_t slot, int priority) {
+  int32_t id = pt_.create();
+  Page& p = pt_[id];
+  p.lc = uint8_t(lc);
+  p.tier = int8_t(tier);
+  p.group = uint8_t(group);
+  p.slot = slot;
+  p.priority = uint8_t(priority);
+  set_block(id, block);
+  owners_[tier][group][slot] = id;
+  return id;
+}
+
+void Core::touch(int32_t id) {
+  Page& p = pt_[id];
+  p.stamp = ++clock_;
+  if (p.queued) queues_[p.tier][p.group].touch(pt_, id);
+}
+
+void Core::requeue(int32_t id) {
+  Page& p = pt_[id];
+  bool ev = evictable(p);
+  if (p.queued) {
+    if (!ev) queues_[p.tier][p.group].remove(pt_, id);
+  } else if (ev) {
+    queues_[p.tier][p.group].push(pt_, id);
+  }
+}
+
+void Core::queue_all(const Ids& pages) {
+  for (int32_t id : pages) {
+    Page& p = pt_[id];
+    if (!p.queued && evictable(p)) queues_[p.tier][p.group].push(pt_, id);
+  }
+}
+
+void Core::release_slot(int tier, int group, int32_t slot, int32_t fence) {
+  owners_[tier][group][slot] = -1;
+  allocs_[tier][group].release(&slot, 1, fence);
+  if (tier == DISK) disk_frees_.push_back({group, Ids{slot}});
+}
+
+void Core::free_page(int32_t id, bool release) {
+  Page& p = pt_[id];
+  if (p.dead) return;
+  p.dead = true;
+  unqueue(id);
+  if (p.block >= 0 && index_.page(p.block, p.lc) == id) index_.page(p.block, p.lc) = -1;
+  if (!p.claim && release) release_slot(p.tier, p.group, p.slot, p.ready);
+  maybe_recycle(id);
+}
+
+void Core::drop(int32_t id, bool release) {
+  Page& p = pt_[id];
+  if (!p.dead) ++counters_.drops;
+  int32_t b = p.block;
+  int lc = p.lc;
+  p.published = false;
+  if (b < 0) {
+    free_page(id, release);
+    return;
+  }
+  index_.ref(b);                      // keep the block while the page (maybe recycled) lets go of it
+  free_page(id, release);
+  const Block& blk = index_.blocks[b];
+  if (blk.indexed && lcs_[lc].prefix_critical(blk.depth, tpb_)) {
+    drop_subtree(b);
+  } else if (blk.indexed && blk.first_child < 0) {
+    bool empty = true;
+    for (int l = 0; l < n_lcs(); ++l) empty = empty && index_.page(b, l) < 0;
+    if (empty) unindex(b);
+  }
+  index_.unref(b);
+}
+
+void Core::drop_subtree(int32_t root) {
+  Ids stack{root};
+  Ids kids;
+  index_.ref(root);
+  Ids pinned{root};
+  while (!stack.empty()) {
+    int32_t node = stack.back();
+    stack.pop_back();
+    kids.clear();
+    for (int32_t c = index_.blocks[node].first_child; c >= 0; c = index_.blocks[c].next_sibling) kids.push_back(c);
+    for (auto it = kids.rbegin(); it != kids.rend(); ++it) {   // oldest first: the newest is popped first
+      stack.push_back(*it);
+      index_.ref(*it);
+      pinned.push_back(*it);
+    }
+    for (int lc = 0; lc < n_lcs(); ++lc) {
+      int32_t q = index_.page(node, lc);
+      if (q < 0 || pt_[q].dead) continue;
+      pt_[q].published = false;
+      if (pt_[q].holders) requeue(q);          // a live sequence keeps it; freed when it closes
+      else free_page(q);
+    }
+    unindex(node);
+  }
+  for (int32_t b : pinned) index_.unref(b);
+}
+
+void Core::unindex(int32_t b) {
+  Block& x = index_.blocks[b];
+  if (!x.indexed) return;
+  // children are unindexed by the caller's traversal (drop_subtree) or there are none
+  for (int32_t c = x.first_child; c >= 0;) {
+    int32_t nxt = index_.blocks[c].next_sibling;
+    index_.blocks[c].next_sibling = -1;
+    c = nxt;
+  }
+  x.first_child = -1;
+  index_.erase(b);
+  index_.unref(b);
+}
+
+// -- sequences -----------------------------------------------------------------------
+
+OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
+  int32_t s;
+  if (!free_seqs_.empty()) {
+    s = free_seqs_.back();
+    free_seqs_.pop_back();
+    seqs_[s] = Seq();
+  } else {
+    s = int32_t(seqs_.size());
+    seqs_.emplace_back();
+  }
+  Seq& q = seqs_[s];
+  q.in_use = true;
+  q.priority = uint8_t(priority);
+  OpenResult r{s, 0, {0, 0, 0, 0}};
+  counters_.lookup_blocks += int64_t(keys.size());
+  if (!shares_nothing_) {
+    Ids path;
+    int32_t parent = -1;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      int32_t b = index_.find(keys[i]);
+      if (b < 0 || index_.blocks[b].parent != parent || index_.blocks[b].depth != int32_t(i)) break;
+      path.push_back(b);
+      parent = b;
+    }
+    int32_t k = int32_t(path.size());
+    while (k > 0 && !reusable(path, k)) --k;
+    path.resize(size_t(k));
+    Ids held;
+    int n = n_lcs();
+    for (int32_t b : path) {
+      q.blocks.push_back(b);
+      index_.ref(b);
+      int coldest = -1;
+      for (int lc = 0; lc < n; ++lc) {
+        int32_t id = index_.page(b, lc);
+        if (id >= 0 && (pt_[id].dead || !pt_[id].published)) id = -1;
+        q.pages.push_back(id);
+        q.recompute.push_back(0);
+        if (id < 0) continue;
+        Page& p = pt_[id];
+        ++p.holders;
+        if (p.tier == last_tier_) requeue(id);      // a held page leaves the last tier's drop queue
+        held.push_back(id);
+        coldest = std::max(coldest, int(p.tier));
+      }
+      ++r.by_tier[coldest < 0 ? 3 : coldest];
+    }
+    q.committed = k;
+    r.matched = k;
+    for (auto it = held.rbegin(); it != held.rend(); ++it) touch(*it);
+  }
+  for (int t = 0; t < kTiers; ++t) counters_.hits[t] += r.by_tier[t];
+  q.keys = std::move(keys);
+  return r;
+}
+
+bool Core::reusable(const Ids& path, int32_t k) const {
+  int64_t h = int64_t(k) * tpb_;
+  std::vector<int32_t>& req = scratch_;
+  for (int lc : limiting_lcs_) {
+    lcs_[lc].required_blocks(h, tpb_, req);
+    for (int32_t b : req) {
+      int32_t id = index_.page(path[b], lc);
+      if (id < 0 || pt_[id].dead) return false;
+    }
+  }
+  return true;
+}
+
+void Core::append_keys(int32_t s, const std::vector<Key>& keys) {
+  Seq& q = live_seq(s);
+  q.keys.insert(q.keys.end(), keys.begin(), keys.end());
+}
+
+void Core::close_seq(int32_t s) {
+  Seq& q = live_seq(s);
+  release(s, 0);
+  int n = n_lcs();
+  Ids unheld;
+  for (size_t i = q.blocks.size(); i-- > 0;) {            // deepest (oldest stamp) first
+    for (int lc = 0; lc < n; ++lc) {
+      int32_t id = q.pages[i * n + lc];
+      if (id < 0) continue;
+      Page& p = pt_[id];
+      --p.holders;
+      if (p.dead) {
+        maybe_recycle(id);
+      } else if (!p.published) {
+        free_page(id);
+      } else if (p.tier == last_tier_) {                  // holders only gate the last tier's queue
+        unheld.push_back(id);
+      }
+    }
+  }
+  queue_all(unheld);
+  for (int32_t b : q.blocks) index_.unref(b);
+  seqs_[s] = Seq();
+  free_seqs_.push_back(s);
+}
+
+Ids Core::place_extension(int32_t s, int32_t n, std::vector<Ids>& slots) {
+  Seq& q = live_seq(s);
+  int nl = n_lcs();
+  int32_t start = int32_t(q.blocks.size());
+  uint16_t locks = q.acquired ? 1 : 0;
+  int64_t stamp = clock_ + int64_t(n) * nl;      // stamped as a touch of the new blocks deepest first would
+  clock_ = stamp;
+  Ids fences;
+  int32_t parent = start ? q.blocks[start - 1] : -1;
+  size_t first_cell = q.pages.size();
+  for (int32_t i = start; i < start + n; ++i) {
+    int32_t b = index_.create(parent, i);
+    Block& blk = index_.blocks[b];
+    if (size_t(i) < q.keys.size()) {
+      blk.key = q.keys[i];
+      blk.has_key = true;
+    }
+    index_.ref(b);                                // the sequence's row
+    q.blocks.push_back(b);
+    stamp -= nl;
+    for (int lc = 0; lc < nl; ++lc) {
+      int32_t g = group_of_[GPU][lc];
+      Ids& mine = slots[g];
+      require(!mine.empty(), "place_extension: too few slots");
+      int32_t slot = mine.back();
+      mine.pop_back();
+      int32_t f = allocs_[GPU][g].fence(slot);
+      if (f) fences.push_back(f);
+      int32_t id = new_page(b, lc, GPU, g, slot, q.priority);
+      Page& p = pt_[id];
+      p.holders = 1;
+      p.locks = locks;
+      p.stamp = stamp + lc + 1;
+      index_.page(b, lc) = id;
+      q.pages.push_back(id);
+      q.recompute.push_back(0);
+    }
+    parent = b;
+  }
+  if (locks) {
+    q.locked.insert(q.locked.end(), q.pages.begin() + first_cell, q.pages.end());
+  } else {                                        // oldest stamp first: the queue's cheap path
+    Ids fresh;
+    for (size_t i = q.pages.size(); i > first_cell; i -= nl)
+      for (int lc = 0; lc < nl; ++lc) fresh.push_back(q.pages[i - nl + lc]);
+    queue_all(fresh);
+  }
+  std::sort(fences.begin(), fences.end());
+  fences.erase(std::unique(fences.begin(), fences.end()), fences.end());
+  return fences;
+}
+
+void Core::undo_extend(int32_t s, int32_t n) {
+  Seq& q = live_seq(s);
+  int nl = n_lcs();
+  int32_t k = std::min<int32_t>(n, int32_t(q.blocks.size()) - q.committed);
+  for (int32_t j = 0; j < k; ++j) {
+    size_t i = q.blocks.size() - 1;
+    for (int lc = 0; lc < nl; ++lc) {
+      int32_t id = q.pages[i * nl + lc];
+      if (id < 0) continue;
+      --pt_[id].holders;
+      if (pt_[id].dead) maybe_recycle(id); else free_page(id);
+    }
+    q.pages.resize(i * nl);
+    q.recompute.resize(i * nl);
+    index_.unref(q.blocks.back());
+    q.blocks.pop_back();
+  }
+}
+
+void Core::needed(const Seq& q, std::vector<std::pair<int32_t, int32_t>>& out) const {
+  out.clear();
+  int32_t n = int32_t(q.blocks.size());
+  int nl = n_lcs();
+  if (reads_all_) {
+    for (int32_t b = n - 1; b >= 0; --b)
+      for (int lc = nl - 1; lc >= 0; --lc) out.push_back({b, lc});
+    return;
+  }
+  int64_t h = int64_t(n) * tpb_;
+  std::vector<int32_t>& bl = scratch_;
+  for (int lc = 0; lc < nl; ++lc) {
+    lcs_[lc].needed_blocks(h, tpb_, bl);
+    for (int32_t b : bl) out.push_back({b, lc});
+    for (int32_t b = q.committed; b < n; ++b) out.push_back({b, lc});
+  }
+  std::sort(out.begin(), out.end(), std::greater<>());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+}
+
+bool Core::acquire_now(int32_t s) {
+  Seq& q = live_seq(s);
+  require(!q.acquired, "sequence is already acquired");
+  std::vector<std::pair<int32_t, int32_t>> need;
+  needed(q, need);
+  int nl = n_lcs();
+  Ids pages;
+  pages.reserve(need.size());
+  for (auto [b, lc] : need) {
+    int32_t id = q.pages[size_t(b) * nl + lc];
+    if (id < 0) return false;
+    const Page& p = pt_[id];
+    if (p.dead || p.tier != GPU || p.claim) return false;
+    pages.push_back(id);
+  }
+  for (int32_t id : pages) {
+    ++pt_[id].locks;
+    unqueue(id);
+  }
+  for (int32_t id : pages) touch(id);
+  q.acquired = true;
+  q.locked = std::move(pages);
+  return true;
+}
+
+void Core::acquire_scan(int32_t s, Ids& holes, Ids& claims) {
+  Seq& q = live_seq(s);
+  require(!q.acquired, "sequence is already acquired");
+  std::vector<std::pair<int32_t, int32_t>> need;
+  needed(q, need);
+  int nl = n_lcs();
+  holes.clear();
+  claims.clear();
+  for (auto [b, lc] : need) {
+    int32_t id = q.pages[size_t(b) * nl + lc];
+    if (id < 0 || pt_[id].dead) {
+      holes.push_back(b);
+      holes.push_back(lc);
+    }
+  }
+  if (!holes.empty()) return;
+  for (auto [b, lc] : need) {
+    int32_t c = pt_[q.pages[size_t(b) * nl + lc]].claim;
+    if (c && std::find(claims.begin(), claims.end(), c) == claims.end()) claims.push_back(c);
+  }
+}
+
+Ids Core::fill_holes(int32_t s, const Ids& holes, std::vector<Ids>& slots) {
+  Seq& q = live_seq(s);
+  int nl = n_lcs();
+  Ids fences;
+  for (size_t i = 0; i + 1 < holes.size(); i += 2) {
+    int32_t b = holes[i], lc = holes[i + 1];
+    require(b >= 0 && size_t(b) < q.blocks.size() && lc >= 0 && lc < nl, "fill_holes: bad hole");
+    int32_t g = group_of_[GPU][lc];
+    require(!slots[g].empty(), "fill_holes: too few slots");
+    int32_t slot = slots[g].back();
+    slots[g].pop_back();
+    fences.push_back(allocs_[GPU][g].fence(slot));
+    size_t cell = size_t(b) * nl + lc;
+    int32_t old = q.pages[cell];
+    int32_t id = new_page(q.blocks[b], lc, GPU, g, slot, q.priority);
+    pt_[id].holders = 1;
+    requeue(id);
+    q.pages[cell] = id;
+    q.recompute[cell] = 1;
+    if (old >= 0) {                       // a dead page the row still named
+      --pt_[old].holders;
+      maybe_recycle(old);
+    }
+  }
+  std::sort(fences.begin(), fences.end());
+  fences.erase(std::unique(fences.begin(), fences.end()), fences.end());
+  if (!fences.empty() && fences.front() == 0) fences.erase(fences.begin());
+  return fences;
+}
+
+Ids Core::lock_needed(int32_t s) {
+  Seq& q = live_seq(s);
+  std::vector<std::pair<int32_t, int32_t>> need;
+  needed(q, need);
+  int nl = n_lcs();
+  Ids pages;
+  pages.reserve(need.size());
+  for (auto [b, lc] : need) {
+    int32_t id = q.pages[size_t(b) * nl + lc];
+    require(id >= 0 && !pt_[id].dead, "lock_needed: a needed page is missing");
+    pages.push_back(id);
+  }
+  for (int32_t id : pages) {
+    ++pt_[id].locks;
+    unqueue(id);
+  }
+  return pages;
+}
+
+void Core::finish_acquire(int32_t s, const Ids& pages) {
+  Seq& q = live_seq(s);
+  for (int32_t id : pages) touch(id);
+  q.acquired = true;
+  q.locked = pages;
+}
+
+void Core::unlock(const Ids& pages) {
+  for (int32_t id : pages) {
+    Page& p = pt_[id];
+    --p.locks;
+    if (!p.dead) requeue(id); else maybe_recycle(id);
+  }
+}
+
+void Core::undo_acquire(int32_t s, const Ids& pages) {
+  Seq& q = live_seq(s);
+  q.acquired = false;
+  q.locked.clear();
+  unlock(pages);
+}
+
+void Core::release(int32_t s, int32_t event) {
+  Seq& q = live_seq(s);
+  if (!q.acquired) return;
+  q.acquired = false;
+  Ids locked;
+  locked.swap(q.locked);
+  std::stable_sort(locked.begin(), locked.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; });
+  for (int32_t id : locked) {
+    Page& p = pt_[id];
+    if (event && p.tier == GPU) p.ready = event;
+    --p.locks;
+  }
+  queue_all(locked);
+  for (int32_t id : locked) maybe_recycle(id);
+}
+
+Ids Core::ready_events(int32_t s) {
+  Seq& q = live_seq(s);
+  std::vector<std::pair<int32_t, int32_t>> need;
+  needed(q, need);
+  Ids out;
+  int nl = n_lcs();
+  for (auto [b, lc] : need) {
+    int32_t id = q.pages[size_t(b) * nl + lc];
+    if (id >= 0 && pt_[id].ready) out.push_back(pt_[id].ready);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+Ids Core::prefetch_pages(int32_t s) {
+  Seq& q = live_seq(s);
+  std::vector<std::pair<int32_t, int32_t>> need;
+  needed(q, need);
+  Ids out;
+  int nl = n_lcs();
+  for (auto [b, lc] : need) {
+    int32_t id = q.pages[size_t(b) * nl + lc];
+    if (id >= 0 && !pt_[id].dead && pt_[id].tier != GPU && !pt_[id].claim) out.push_back(id);
+  }
+  return out;
+}
+
+// -- commit ------------------------------------------------------------------------------
+
+int32_t Core::commit_conflict(int32_t s, int32_t n) {
+  Seq& q = live_seq(s);
+  require(n <= int32_t(q.blocks.size()) && n <= int32_t(q.keys.size()), "commit past the sequence's blocks or keys");
+  if (n <= q.committed) return -1;
+  // the common case: every key new, none repeated
+  bool known = false;
+  for (int32_t i = q.committed; i < n && !known; ++i) known = index_.find(q.keys[i]) >= 0;
+  if (!known) {
+    std::vector<Key> sorted(q.keys.begin() + q.committed, q.keys.begin() + n);
+    auto less = [](const Key& a, const Key& b) {
+      return a.tag != b.tag ? a.tag < b.tag : std::memcmp(a.bytes, b.bytes, 16) < 0;
+    };
+    std::sort(sorted.begin(), sorted.end(), less);
+    if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return -1;
+  }
+  struct KeyHash {
+    size_t operator()(const Key& k) const { return size_t(k.hash()); }
+  };
+  int32_t parent = q.committed ? q.blocks[q.committed - 1] : -1;
+  std::unordered_set<Key, KeyHash> new_keys;
+  std::unordered_set<int32_t> new_blocks;
+  for (int32_t i = q.committed; i < n; ++i) {
+    if (parent >= 0 && !index_.blocks[parent].indexed && !new_blocks.count(parent)) return -1;   // the commit stops there
+    const Key& key = q.keys[i];
+    int32_t node = index_.find(key);
+    if (new_keys.count(key) || (node >= 0 && (index_.blocks[node].parent != parent || index_.blocks[node].depth != i)))
+      return i;
+    if (node < 0) {
+      parent = q.blocks[i];
+      new_keys.insert(key);
+      new_blocks.insert(parent);
+    } else {
+      parent = node;
+    }
+  }
+  return -1;
+}
+
+void Core::published_cold(int32_t id) {
+  Page& p = pt_[id];
+  if (p.claim) p.relabel = true;
+  else if (p.tier == DISK) relabels_.push_back(id);
+}
+
+void Core::adopt(int32_t node, int32_t s, int32_t i) {
+  Seq& q = seqs_[s];
+  int nl = n_lcs();
+  for (int lc = 0; lc < nl; ++lc) {
+    size_t cell = size_t(i) * nl + lc;
+    int32_t id = q.pages[cell];
+    if (id < 0) continue;
+    Page& p = pt_[id];
+    if (p.dead || p.published || lcs_[lc].reuse == PRIVATE) continue;
+    if (q.recompute[cell] && lcs_[lc].reuse != OPTIONAL) continue;
+    int32_t theirs = index_.page(node, lc);
+    if (theirs >= 0 && !pt_[theirs].dead) {
+      Page& t = pt_[theirs];
+      if (t.holders || t.locks || t.claim || t.tier <= p.tier) continue;
+      t.published = false;
+      index_.page(node, lc) = -1;
+      free_page(theirs);
+    }
+    set_block(id, node);
+    p.published = true;
+    index_.page(node, lc) = id;
+    requeue(id);
+    published_cold(id);
+  }
+}
+
+int32_t Core::commit(int32_t s, int32_t n) {
+  Seq& q = live_seq(s);
+  int32_t bad = commit_conflict(s, n);
+  if (bad >= 0) return bad;
+  int32_t start = q.committed;
+  int nl = n_lcs();
+  if (shares_nothing_) {
+    q.committed = std::max(q.committed, n);
+  } else {
+    for (int32_t i = 0; i < n; ++i) {
+      int32_t b = q.blocks[i];
+      if (i < q.committed) {
+        if (index_.blocks[b].indexed) adopt(b, s, i);
+        continue;
+      }
+      int32_t parent = i ? q.blocks[i - 1] : -1;
+      if (parent >= 0 && !index_.blocks[parent].indexed) break;   // an ancestor was dropped meanwhile
+      const Key& key = q.keys[i];
+      int32_t node = index_.find(key);
+      if (node < 0) {
+        Block& blk = index_.blocks[b];
+        blk.key = key;
+        blk.has_key = true;
+        blk.parent = parent;
+        index_.insert(b);
+        for (int lc = 0; lc < nl; ++lc) {
+          int32_t id = q.pages[size_t(i) * nl + lc];
+          if (id < 0) continue;
+          Page& p = pt_[id];
+          if (lcs_[lc].reuse == PRIVATE || p.dead) {
+            index_.page(b, lc) = -1;              // the sequence keeps it; the index never sees it
+          } else {
+            p.published = true;
+            if (!p.locks) requeue(id);
+            published_cold(id);
+          }
+        }
+      } else {
+        index_.ref(node);
+        q.blocks[i] = node;
+        index_.unref(b);
+        adopt(node, s, i);
+      }
+      q.committed = std::max(q.committed, i + 1);
+    }
+  }
+  if (q.committed > start)
+    for (size_t c = size_t(start) * nl; c < size_t(q.committed) * nl; ++c) q.recompute[c] = 0;
+  for (int32_t i = n; i-- > 0;)
+    for (int lc = 0; lc < nl; ++lc) {
+      int32_t id = q.pages[size_t(i) * nl + lc];
+      if (id >= 0) touch(id);
+    }
+  return -1;
+}
+
+Ids Core::page_indices(int32_t s, int lc) const {
+  const Seq& q = seqs_[s];
+  int nl = n_lcs();
+  Ids out(q.blocks.size(), -1);
+  for (size_t b = 0; b < q.blocks.size(); ++b) {
+    int32_t id = q.pages[b * nl + lc];
+    if (id >= 0 && pt_[id].tier == GPU && !pt_[id].dead) out[b] = pt_[id].slot;
+  }
+  return out;
+}
+
+Ids Core::recompute_blocks(int32_t s, int lc) const {
+  const Seq& q = seqs_[s];
+  int nl = n_lcs();
+  Ids out;
+  for (size_t b = 0; b < q.blocks.size(); ++b)
+    if (q.recompute[b * nl + lc]) out.push_back(int32_t(b));
+  return out;
+}
+
+// -- slots -------------------------------------------------------------------------------
+
+bool Core::allocate(int tier, int group, int32_t n, Ids& out) { return allocs_[tier][group].allocate(n, out); }
+
+void Core::release_slots(int tier, int group, const Ids& slots, int32_t fence) {
+  allocs_[tier][group].release(slots.data(), slots.size(), fence);
+}
+
+void Core::give_back(int tier, int group, const Ids& slots) {
+  for (int32_t s : slots) allocs_[tier][group].give_back(s);
+}
+
+Ids Core::slot_fences(int tier, int group, const Ids& slots) const {
+  Ids out;
+  for (int32_t s : slots) {
+    int32_t f = allocs_[tier][group].fence(s);
+    if (f) out.push_back(f);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// -- claims, eviction and moves -------------------------------------------------------
+
+Ids Core::claim(const Ids& pages, int to_tier, bool one_queue) {
+  Ids fresh;
+  int dst_row = to_tier < 0 ? DISK : to_tier;    // drops key by the disk's groups: any stable key does
+  const std::vector<int32_t>& dst_group = group_of_[dst_row];
+  if (one_queue && sole_group_[dst_row] != kNoSole) {
+    int32_t c = next_claim();
+    fresh.push_back(c);
+    for (int32_t id : pages) pt_[id].claim = c;
+    return fresh;
+  }
+  struct K {
+    int8_t tier;
+    int32_t group, dst;
+    int32_t claim;
+  };
+  std::vector<K> keys;
+  int32_t cur = 0;
+  int8_t kt = -2;
+  int32_t kg = -1, kd = -1;
+  for (int32_t id : pages) {
+    Page& p = pt_[id];
+    require(!p.dead, "claiming a freed page");
+    int32_t d = dst_group[p.lc];
+    if (p.tier != kt || p.group != kg || d != kd) {
+      kt = p.tier, kg = p.group, kd = d;
+      cur = 0;
+      for (const K& k : keys)
+        if (k.tier == kt && k.group == kg && k.dst == kd) cur = k.claim;
+      if (!cur) {
+        cur = next_claim();
+        keys.push_back({kt, kg, kd, cur});
+        fresh.push_back(cur);
+      }
+    }
+    p.claim = cur;
+    unqueue(id);
+  }
+  return fresh;
+}
+
+Ids Core::claims_of(const Ids& pages) const {
+  Ids out;
+  for (int32_t id : pages) {
+    int32_t c = pt_[id].claim;
+    if (c && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  }
+  return out;
+}
+
+Ids Core::cold_pages(const Ids& pages) const {
+  Ids out;
+  for (int32_t id : pages)
+    if (pt_[id].tier != GPU) out.push_back(id);
+  return out;
+}
+
+std::vector<std::pair<int32_t, int32_t>> Core::group_counts(const Ids& pages, int tier) const {
+  std::vector<std::pair<int32_t, int32_t>> out;
+  if (sole_group_[tier] != kNoSole) {
+    if (!pages.empty()) out.push_back({sole_group_[tier], int32_t(pages.size())});
+    return out;
+  }
+  for (int32_t id : pages) {
+    int32_t g = group_of_[tier][pt_[id].lc];
+    auto it = std::find_if(out.begin(), out.end(), [g](auto& e) { return e.first == g; });
+    if (it == out.end()) out.push_back({g, 1}); else ++it->second;
+  }
+  return out;
+}
+
+Ids Core::end_claims(const Ids& pages, Ids& live) {
+  Ids order(pages);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; });
+  Ids settled;
+  int32_t cur = -1;
+  for (int32_t id : order) {
+    Page& p = pt_[id];
+    if (p.claim != cur) {
+      cur = p.claim;
+      if (cur && std::find(settled.begin(), settled.end(), cur) == settled.end()) settled.push_back(cur);
+    }
+    p.claim = 0;
+    if (p.dead) {
+      release_slot(p.tier, p.group, p.slot, p.ready);
+      maybe_recycle(id);
+    } else {
+      live.push_back(id);
+    }
+  }
+  return settled;
+}
+
+void Core::relabel_later(const Ids& pages) {
+  for (int32_t id : pages) {
+    Page& p = pt_[id];
+    if (p.in_use && p.relabel) {
+      p.relabel = false;
+      relabels_.push_back(id);
+    }
+  }
+}
+
+Ids Core::unclaim(const Ids& pages) {
+  Ids live;
+  Ids settled = end_claims(pages, live);
+  queue_all(live);
+  relabel_later(live);
+  return settled;
+}
+
+bool Core::pick_victims(int tier, int group, int32_t need, int32_t extra, Ids& victims, Ids& claims) {
+  LruQueue& q = queues_[tier][group];
+  victims.clear();
+  q.pop_many(pt_, size_t(need) + size_t(extra), victims);
+  if (int32_t(victims.size()) < need) {
+    for (int32_t id : victims) q.push(pt_, id);
+    return false;
+  }
+  int nxt = next_tier_[tier];
+  claims = claim(victims, nxt, true);
+  return true;
+}
+
+bool Core::droppable(const Ids& pages) const {
+  for (int32_t id : pages)
+    if (!pt_[id].published || pt_[id].holders) return false;
+  return true;
+}
+
+Settled Core::drop_victims(int tier, const Ids& victims) {
+  Settled out;
+  Ids order(victims);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return index_.blocks[pt_[a].block].depth > index_.blocks[pt_[b].block].depth;
+  });
+  for (int32_t id : order) pt_[id].relabel = false;
+  int32_t group = victims.empty() ? 0 : pt_[victims[0]].group;
+  for (int32_t id : order) {
+    Page& p = pt_[id];
+    int32_t c = p.claim;
+    if (c && std::find(out.claims.begin(), out.claims.end(), c) == out.claims.end()) out.claims.push_back(c);
+    p.claim = 0;
+    owners_[p.tier][p.group][p.slot] = -1;
+    out.slots.push_back(p.slot);
+    // a page already freed by an ancestor's subtree drop keeps its slot for the caller too
+    if (p.dead) maybe_recycle(id); else drop(id, false);
+  }
+  if (tier == DISK && !out.slots.empty()) disk_frees_.push_back({group, out.slots});
+  return out;
+}
+
+std::vector<BatchSpec> Core::split_batches(const Ids& pages, int dst_tier) const {
+  Ids order(pages);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].slot < pt_[b].slot; });
+  std::vector<BatchSpec> out;
+  for (int32_t id : order) {
+    const Page& p = pt_[id];
+    int32_t d = group_of_[dst_tier][p.lc];
+    auto it = std::find_if(out.begin(), out.end(), [&](const BatchSpec& b) {
+      return b.src_tier == p.tier && b.src_group == p.group && b.dst_group == d;
+    });
+    if (it == out.end()) {
+      out.push_back({p.tier, p.group, d, {}});
+      it = out.end() - 1;
+    }
+    it->pages.push_back(id);
+  }
+  return out;
+}
+
+Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff) {
+  require(batch.size() == dst_slots.size() && !batch.empty(), "land: one slot per page");
+  Settled out;
+  int src_tier = pt_[batch[0]].tier, src_group = pt_[batch[0]].group;
+  Ids freed;
+  freed.reserve(batch.size());
+  Ids& src_owners = owners_[src_tier][src_group];
+  Ids& dst_owners = owners_[dst_tier][dst_group];
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Page& p = pt_[batch[i]];
+    freed.push_back(p.slot);
+    src_owners[p.slot] = -1;
+    p.tier = int8_t(dst_tier);
+    p.group = uint8_t(dst_group);
+    p.slot = dst_slots[i];
+    p.ready = event;
+    dst_owners[dst_slots[i]] = batch[i];
+  }
+  if (src_tier == DISK) disk_frees_.push_back({src_group, freed});
+  if (handoff) out.slots = freed;
+  else allocs_[src_tier][src_group].release(freed.data(), freed.size(), event);
+  Ids live;
+  out.claims = end_claims(batch, live);
+  for (int32_t id : live) {
+    Page& p = pt_[id];
+    if (!p.queued && evictable(p)) queues_[dst_tier][dst_group].push(pt_, id);
+  }
+  relabel_later(live);
+  return out;
+}
+
+Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
+  Ids depths;
+  for (int32_t id : batch) {
+    Page& p = pt_[id];
+    if (!p.in_use || p.dead || p.tier != DISK) continue;
+    if (std::find(bad_slots.begin(), bad_slots.end(), p.slot) == bad_slots.end()) continue;
+    ++counters_.discarded;
+    depths.push_back(p.block >= 0 ? index_.blocks[p.block].depth : -1);
+    if (p.published) drop(id); else free_page(id);
+  }
+  return depths;
+}
+
+// -- the disk tier across restarts -----------------------------------------------------
+
+std::vector<Ids> Core::persist_candidates() const {
+  std::vector<Ids> out(allocs_[DISK].size());
+  if (out.empty()) return out;
+  Ids pending;
+  index_.for_each_indexed([&](int32_t b) {
+    for (int lc = 0; lc < n_lcs(); ++lc) {
+      int32_t id = index_.page(b, lc);
+      if (id < 0) continue;
+      const Page& p = pt_[id];
+      if (!p.dead && p.published && p.tier != DISK && !p.claim && !p.locks) pending.push_back(id);
+    }
+  });
+  std::sort(pending.begin(), pending.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp > pt_[b].stamp; });
+  for (int32_t id : pending) {
+    int32_t g = group_of_[DISK][pt_[id].lc];
+    if (int32_t(out[g].size()) < allocs_[DISK][g].capacity()) out[g].push_back(id);
+  }
+  return out;
+}
+
+Ids Core::still_persistable(const Ids& pages) const {
+  Ids out;
+  for (int32_t id : pages) {
+    const Page& p = pt_[id];
+    if (p.in_use && !p.dead && !p.claim && p.tier != DISK) out.push_back(id);
+  }
+  return out;
+}
+
+std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
+  size_t ng = allocs_[DISK].size();
+  std::vector<Ids> forget(ng);
+  std::vector<std::vector<uint8_t>> taken(ng);
+  for (size_t g = 0; g < ng; ++g) taken[g].assign(size_t(allocs_[DISK][g].capacity()), 0);
+  std::stable_sort(records.begin(), records.end(), [](auto& a, auto& b) { return a.depth < b.depth; });
+  for (const RecoveredRecord& r : records) {
+    if (r.group < 0 || size_t(r.group) >= ng) continue;      // no such group: nothing to forget either
+    bool in_range = r.slot >= 0 && r.slot < allocs_[DISK][r.group].capacity();
+    if (r.anonymous) {                                       // a page no index knew: nothing to recover
+      if (in_range) forget[r.group].push_back(r.slot);
+      continue;
+    }
+    bool ok = in_range && r.lc >= 0 && r.lc < n_lcs() && group_of_[DISK][r.lc] == r.group && r.depth >= 0 &&
+              !taken[r.group][r.slot];
+    int32_t parent = (ok && r.has_parent) ? index_.find(r.parent) : -1;
+    if (ok && r.depth > 0 && (parent < 0 || index_.blocks[parent].depth != r.depth - 1)) ok = false;
+    if (ok && r.depth == 0 && r.has_parent) ok = false;
+    int32_t node = ok ? index_.find(r.key) : -1;
+    if (ok && node >= 0 && (index_.blocks[node].parent != parent || index_.page(node, r.lc) >= 0)) ok = false;
+    if (!ok) {
+      ++counters_.discarded;
+      if (in_range && !taken[r.group][r.slot]) forget[r.group].push_back(r.slot);
+      continue;
+    }
+    if (node < 0) {
+      node = index_.create(parent, r.depth);
+      index_.blocks[node].key = r.key;
+      index_.blocks[node].has_key = true;
+      index_.insert(node);
+    }
+    int32_t id = pt_.create();
+    Page& p = pt_[id];
+    p.lc = uint8_t(r.lc);
+    p.tier = DISK;
+    p.group = uint8_t(r.group);
+    p.slot = r.slot;
+    p.priority = uint8_t(std::clamp(r.priority, 0, 100));
+    p.published = true;
+    set_block(id, node);
+    index_.page(node, r.lc) = id;
+    owners_[DISK][r.group][r.slot] = id;
+    taken[r.group][r.slot] = 1;
+  }
+  for (size_t g = 0; g < ng; ++g) allocs_[DISK][g].reset_used(taken[g]);
+  // blocks missing a prefix-critical page can never match: drop them with their subtrees
+  auto count_disk = [&]() {
+    int64_t n = 0;
+    for (auto& o : owners_[DISK])
+      for (int32_t id : o) n += id >= 0;
+    return n;
+  };
+  int64_t before = count_disk();
+  std::vector<int32_t> nodes;
+  index_.for_each_indexed([&](int32_t b) { nodes.push_back(b); });
+  std::sort(nodes.begin(), nodes.end(), [&](int32_t a, int32_t b) {   // by depth, then in indexing order
+    int32_t da = index_.blocks[a].depth, db = index_.blocks[b].depth;
+    return da != db ? da < db : a < b;
+  });
+  for (int32_t b : nodes) {
+    if (!index_.blocks[b].in_use || !index_.blocks[b].indexed) continue;
+    for (int lc = 0; lc < n_lcs(); ++lc)
+      if (lcs_[lc].prefix_critical(index_.blocks[b].depth, tpb_) && index_.page(b, lc) < 0) {
+        drop_subtree(b);
+        break;
+      }
+  }
+  counters_.orphaned = before - count_disk();
+  // Recency is not journaled. Deepest first, then in write order: a block is never older than
+  // its descendants, and shallow blocks, which more requests share, go last.
+  std::unordered_map<int64_t, int64_t> gen;
+  for (const RecoveredRecord& r : records) gen[(int64_t(r.group) << 32) | uint32_t(r.slot)] = r.generation;
+  Ids pages;
+  for (auto& o : owners_[DISK])
+    for (int32_t id : o)
+      if (id >= 0) pages.push_back(id);
+  std::stable_sort(pages.begin(), pages.end(), [&](int32_t a, int32_t b) {
+    int32_t da = index_.blocks[pt_[a].block].depth, db = index_.blocks[pt_[b].block].depth;
+    if (da != db) return da > db;
+    auto ga = gen[(int64_t(pt_[a].group) << 32) | uint32_t(pt_[a].slot)];
+    auto gb = gen[(int64_t(pt_[b].group) << 32) | uint32_t(pt_[b].slot)];
+    return ga < gb;
+  });
+  for (int32_t id : pages) {
+    pt_[id].stamp = ++clock_;
+    requeue(id);
+  }
+  counters_.recovered = int64_t(pages.size());
+  for (auto& [g, slots] : disk_frees_) forget[g].insert(forget[g].end(), slots.begin(), slots.end());
+  disk_frees_.clear();
+  return forget;
+}
+
+// -- drains and queries -----------------------------------------------------------------
+
+std::vector<std::pair<int32_t, Ids>> Core::take_disk_frees() {
+  std::vector<std::pair<int32_t, Ids>> out;
+  for (auto& [g, slots] : disk_frees_) {      // merge runs for the same group, keeping order
+    if (!out.empty() && out.back().first == g) out.back().second.insert(out.back().second.end(), slots.begin(), slots.end());
+    else out.push_back({g, std::move(slots)});
+  }
+  disk_frees_.clear();
+  return out;
+}
+
+std::vector<std::pair<int32_t, Ids>> Core::take_relabels() {
+  std::vector<std::pair<int32_t, Ids>> out;
+  for (int32_t id : relabels_) {
+    const Page& p = pt_[id];
+    if (!p.in_use || p.dead || p.tier != DISK || !p.published) continue;
+    auto it = std::find_if(out.begin(), out.end(), [&](auto& e) { return e.first == p.group; });
+    if (it == out.end()) out.push_back({p.group, Ids{id}}); else it->second.push_back(id);
+  }
+  relabels_.clear();
+  return out;
+}
+
+size_t Core::live_blocks() const {
+  size_t n = 0;
+  for (const Block& b : index_.blocks) n += b.in_use;
+  return n;
+}
+
+size_t Core::memory_bytes() const {
+  size_t n = pt_.pages.capacity() * sizeof(Page) + index_.blocks.capacity() * sizeof(Block) +
+             index_.pages.capacity() * sizeof(int32_t) + index_.table_bytes();
+  for (auto& t : owners_)
+    for (auto& o : t) n += o.capacity() * sizeof(int32_t);
+  return n;
+}
+
+std::vector<std::vector<std::vector<int64_t>>> Core::state_counts() const {
+  std::vector<std::vector<std::vector<int64_t>>> out(kTiers);
+  for (int t = 0; t < kTiers; ++t)
+    for (const Ids& o : owners_[t]) {
+      std::vector<int64_t> c(3, 0);
+      for (int32_t id : o) {
+        if (id < 0) continue;
+        const Page& p = pt_[id];
+        ++c[p.locks ? 0 : (p.holders || !p.published) ? 1 : 2];
+      }
+      out[t].push_back(c);
+    }
+  return out;
+}
+
+void Core::check() const {
+  for (int t = 0; t < kTiers; ++t)
+    for (size_t g = 0; g < allocs_[t].size(); ++g) {
+      const SlotAllocator& a = allocs_[t][g];
+      int32_t used = 0;
+      size_t queued = 0;
+      for (int32_t s = 0; s < a.capacity(); ++s) {
+        int32_t id = owners_[t][g][s];
+        if (id < 0) continue;
+        ++used;
+        const Page& p = pt_[id];
+        require(p.in_use && !p.dead, "a dead page owns a slot");
+        require(!a.is_free(s), "a slot is owned and free");
+        require(p.tier == t && p.group == int(g) && p.slot == s, "a page is misfiled");
+        require((p.queued != NOT_QUEUED) == evictable(p), "queue membership differs from evictability");
+        queued += p.queued != NOT_QUEUED;
+      }
+      require(used == a.used(), "owned slots differ from allocated slots");
+      require(queued == queues_[t][g].size(), "a queue's length differs from its members");
+    }
+  size_t indexed = 0;
+  for (size_t b = 0; b < index_.blocks.size(); ++b) {
+    const Block& x = index_.blocks[b];
+    if (!x.in_use || !x.indexed) continue;
+    ++indexed;
+    require(index_.find(x.key) == int32_t(b), "an indexed block is not found under its key");
+    require(x.parent < 0 || index_.blocks[x.parent].indexed, "an indexed block's parent is not indexed");
+    for (int lc = 0; lc < n_lcs(); ++lc) {
+      int32_t id = index_.page(int32_t(b), lc);
+      if (id < 0) continue;
+      const Page& p = pt_[id];
+      require(p.in_use && p.published && !p.dead, "an index page is unpublished or dead");
+      require(owners_[p.tier][p.group][p.slot] == id, "an index page does not own its slot");
+    }
+  }
+  require(indexed == index_.indexed_count(), "the key map's size differs from the indexed blocks");
+}
+
+}  // namespace kvtier

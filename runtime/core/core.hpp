@@ -1,0 +1,250 @@
+// The core: kvtier's page table, prefix index, slot allocators and
+// prioritised LRU queues, and every decision made over them.
+//
+// It does no I/O, no waiting and no locking: the event-loop thread calls it,
+// one call per request operation or migration batch, and Python does what
+// waits (copies, events, futures). What Python must act on after a call it
+// takes from two drains: disk slots to forget (take_disk_frees) and pages
+// published while resting on disk whose journal records need their keys
+// (take_relabels). Claims (in-flight operations) and events are Python's
+// objects named by int ids here; 0 is "none".
+//
+// Invariants the core keeps (check() asserts them):
+// - every live page owns exactly one slot of one (tier, group), recorded in
+//   `owners`, and that slot is allocated;
+// - a page with a claim is in no queue; a queue holds exactly the pages that
+//   may be evicted from its (tier, group): unlocked, unclaimed, live, and in
+//   the last tier also published and unheld;
+// - every prefix-critical page of an indexed block is present (dropping one
+//   drops the block's subtree), so a match only checks the other pages;
+// - each sequence row cell that names a page counts once in its holders.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "allocator.hpp"
+#include "index.hpp"
+#include "keys.hpp"
+#include "lru.hpp"
+#include "page_table.hpp"
+#include "policy.hpp"
+
+namespace kvtier {
+
+using Ids = std::vector<int32_t>;
+
+struct Seq {
+  std::vector<Key> keys;
+  Ids blocks;                   // block per position (matched, then extended)
+  Ids pages;                    // blocks.size() * n_lcs: the sequence's page per (block, lc), -1 none
+  std::vector<uint8_t> recompute;   // same shape: the page holds no cached data (caller recomputes)
+  Ids locked;                   // exactly the pages this sequence's acquire locked
+  int32_t committed = 0;
+  uint8_t priority = 35;
+  bool acquired = false;
+  bool in_use = false;
+};
+
+// The outcome of a batch of moves or drops: claims to settle, slots handed over.
+struct Settled {
+  Ids claims;                   // claim ids whose operations ended (settle their futures)
+  Ids slots;                    // source slots handed to the caller (handoff), or freed by drops
+};
+
+struct OpenResult {
+  int32_t seq;
+  int32_t matched;
+  int64_t by_tier[4];           // matched blocks by their coldest page's tier; [3]: no page
+};
+
+struct BatchSpec {
+  int8_t src_tier;
+  int32_t src_group;
+  int32_t dst_group;
+  Ids pages;                    // sorted by source slot
+};
+
+struct Counters {
+  int64_t hits[kTiers] = {0, 0, 0};
+  int64_t lookup_blocks = 0;
+  int64_t drops = 0;
+  int64_t recovered = 0;
+  int64_t orphaned = 0;
+  int64_t discarded = 0;
+};
+
+struct RecoveredRecord {
+  Key key;
+  Key parent;
+  bool has_parent;
+  bool anonymous;
+  int32_t depth;
+  int32_t lc;
+  int32_t group;
+  int32_t slot;
+  int32_t priority;
+  int64_t generation;
+};
+
+class CoreError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+class Core {
+ public:
+  // group_of[tier][lc]: the life cycle's pool group in each tier (-1: tier absent);
+  // capacity[tier][group]: slots per group (an absent tier has no groups).
+  Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std::vector<int32_t>> group_of,
+       std::vector<std::vector<int32_t>> capacity);
+
+  // -- sequences --------------------------------------------------------------------
+  OpenResult open_seq(std::vector<Key> keys, int priority);
+  void append_keys(int32_t s, const std::vector<Key>& keys);
+  void close_seq(int32_t s);
+  const Seq& seq(int32_t s) const { return seqs_[s]; }
+
+  // Extension: `slots[g]` holds the new pages' slots of GPU group g (popped from
+  // the back, as the Python model does). Returns the slots' fences.
+  Ids place_extension(int32_t s, int32_t n, std::vector<Ids>& slots);
+  void undo_extend(int32_t s, int32_t n);
+
+  bool acquire_now(int32_t s);
+  // What an acquire waits for first: holes (flattened (block, lc) pairs with no
+  // live page) or claims (moves of needed pages still in flight). Both empty: ready.
+  void acquire_scan(int32_t s, Ids& holes, Ids& claims);
+  Ids fill_holes(int32_t s, const Ids& holes, std::vector<Ids>& slots);
+  Ids lock_needed(int32_t s);                     // locks and unqueues the needed pages
+  void finish_acquire(int32_t s, const Ids& pages);
+  void undo_acquire(int32_t s, const Ids& pages);
+  void unlock(const Ids& pages);
+  void release(int32_t s, int32_t event);        // event 0: no fence from the caller's stream
+  Ids ready_events(int32_t s);                    // distinct ready events of the needed pages
+  Ids prefetch_pages(int32_t s);                  // needed, live, cold, unclaimed
+
+  // Publishes blocks [0, n). Returns -1, or (nothing changed) the first
+  // position whose key is already indexed at another position or repeated.
+  int32_t commit(int32_t s, int32_t n);
+
+  Ids page_indices(int32_t s, int lc) const;
+  Ids recompute_blocks(int32_t s, int lc) const;
+
+  // -- slots ------------------------------------------------------------------------
+  bool allocate(int tier, int group, int32_t n, Ids& out);
+  void release_slots(int tier, int group, const Ids& slots, int32_t fence);
+  void give_back(int tier, int group, const Ids& slots);
+  Ids slot_fences(int tier, int group, const Ids& slots) const;
+  const SlotAllocator& allocator(int tier, int group) const { return allocs_[tier][group]; }
+  size_t queue_len(int tier, int group) const { return queues_[tier][group].size(); }
+  int n_groups(int tier) const { return int(allocs_[tier].size()); }
+
+  // -- claims, eviction and moves ---------------------------------------------------
+  // Marks pages as moving to `to_tier` (-1: dropped). One claim per batch the
+  // move will run (source tier and group, destination group); returns the new ids.
+  Ids claim(const Ids& pages, int to_tier, bool one_queue);
+  Ids claims_of(const Ids& pages) const;          // distinct claims, in page order
+  Ids cold_pages(const Ids& pages) const;         // those not on the GPU
+  // (group, count) per destination group of `tier`, in order of first appearance.
+  std::vector<std::pair<int32_t, int32_t>> group_counts(const Ids& pages, int tier) const;
+  // Ends the claims on `pages` after a failure or give-up: settles them,
+  // frees the slots of pages that died meanwhile, requeues the rest.
+  Ids unclaim(const Ids& pages);
+  // Claims up to need + extra victims of (tier, group); false (nothing taken) if fewer than need.
+  bool pick_victims(int tier, int group, int32_t need, int32_t extra, Ids& victims, Ids& claims);
+  bool droppable(const Ids& pages) const;         // all published and unheld
+  Settled drop_victims(int tier, const Ids& victims);
+  std::vector<BatchSpec> split_batches(const Ids& pages, int dst_tier) const;
+  // A batch that moved into (dst_tier, dst_group) at dst_slots, with `event`.
+  Settled land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff);
+  // Disk pages found corrupt (at these source slots) are dropped; returns their depths.
+  Ids discard_corrupt(const Ids& batch, const Ids& bad_slots);
+
+  // -- the disk tier across restarts ----------------------------------------------
+  // Published pages not on disk, unclaimed and unlocked, most recent first,
+  // per disk group, at most `capacity` each.
+  std::vector<Ids> persist_candidates() const;
+  Ids still_persistable(const Ids& pages) const;
+  // Rebuild the index from recovered records; returns slots to forget per group
+  // (not recoverable or unreachable). Counters: recovered, orphaned, discarded.
+  std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
+
+  // -- drains -----------------------------------------------------------------------
+  std::vector<std::pair<int32_t, Ids>> take_disk_frees();
+  std::vector<std::pair<int32_t, Ids>> take_relabels();     // (disk group, pages)
+
+  // -- queries ----------------------------------------------------------------------
+  const Page& page(int32_t id) const { return pt_[id]; }
+  const Block& block(int32_t id) const { return index_.blocks[id]; }
+  int32_t find_block(const Key& k) const { return index_.find(k); }
+  int32_t block_page(int32_t b, int lc) const { return index_.page(b, lc); }
+  size_t indexed_blocks() const { return index_.indexed_count(); }
+  size_t live_pages() const { return pt_.live(); }
+  size_t live_blocks() const;
+  size_t memory_bytes() const;
+  const Counters& counters() const { return counters_; }
+  Counters& counters() { return counters_; }
+  int64_t clock() const { return clock_; }
+  // Per (tier, group): [locked, held, droppable] page counts.
+  std::vector<std::vector<std::vector<int64_t>>> state_counts() const;
+  void check() const;           // throws CoreError naming the first broken invariant
+  int last_tier() const { return last_tier_; }
+  int next_tier(int t) const { return next_tier_[t]; }
+  int32_t group_of(int tier, int lc) const { return group_of_[tier][lc]; }
+  int n_lcs() const { return int(lcs_.size()); }
+
+ private:
+  bool evictable(const Page& p) const {
+    return !p.locks && !p.claim && !p.dead && (p.tier != last_tier_ || (p.published && !p.holders));
+  }
+  void requeue(int32_t id);
+  void queue_all(const Ids& pages);               // the evictable ones among unqueued pages
+  void unqueue(int32_t id) { Page& p = pt_[id]; if (p.queued) queues_[p.tier][p.group].remove(pt_, id); }
+  void touch(int32_t id);
+  int32_t new_page(int32_t block, int lc, int tier, int group, int32_t slot, int priority);
+  void free_page(int32_t id, bool release_slot = true);
+  void release_slot(int tier, int group, int32_t slot, int32_t fence);
+  void drop(int32_t id, bool release_slot = true);
+  void drop_subtree(int32_t root);
+  void unindex(int32_t b);
+  void set_block(int32_t page, int32_t block);
+  void maybe_recycle(int32_t id) { if (pt_.recyclable(id)) { set_block(id, -1); pt_.recycle(id); } }
+  void needed(const Seq& q, std::vector<std::pair<int32_t, int32_t>>& out) const;
+  bool reusable(const Ids& path, int32_t k) const;
+  int32_t commit_conflict(int32_t s, int32_t n);
+  void adopt(int32_t node, int32_t s, int32_t i);
+  void published_cold(int32_t id);
+  Ids end_claims(const Ids& pages, Ids& live);
+  void relabel_later(const Ids& pages);
+  int32_t next_claim();
+  Seq& live_seq(int32_t s);
+
+  int32_t tpb_;
+  std::vector<LifeCycle> lcs_;
+  std::vector<std::vector<int32_t>> group_of_;    // [tier][lc]
+  std::vector<int32_t> sole_group_;               // per tier: the one group every lc maps to, or INT32_MIN
+  int last_tier_ = GPU;
+  int next_tier_[kTiers] = {-1, -1, -1};
+  bool reads_all_ = true;                         // every lc is full attention: an acquire needs every page
+  bool shares_nothing_ = false;                   // every lc PRIVATE: nothing is indexed
+  std::vector<int> limiting_lcs_;                 // lcs whose pages a match must check
+
+  PageTable pt_;
+  BlockIndex index_;
+  std::vector<std::vector<SlotAllocator>> allocs_;     // [tier][group]
+  std::vector<std::vector<LruQueue>> queues_;          // [tier][group]
+  std::vector<std::vector<Ids>> owners_;               // [tier][group][slot] -> page (-1)
+  std::vector<Seq> seqs_;
+  Ids free_seqs_;
+  int64_t clock_ = 0;
+  int32_t claim_counter_ = 0;
+  Counters counters_;
+  std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
+  Ids relabels_;                                       // pages to relabel (filtered at take)
+  mutable std::vector<int32_t> scratch_;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,172 @@
+// The prefix index: blocks in a flat array, children in intrusive sibling
+// lists, and an open-addressing map from key to indexed block.
+//
+// A block is indexed (reusable by later requests) or sequence-local (a
+// sequence's block before its commit, or after its prefix was dropped).
+// Invariants:
+// - `map` holds exactly the indexed blocks, each under its key;
+// - an indexed block's parent is indexed and lists it among its children;
+//   an unindexed block has no children;
+// - a block's id is recycled once `refs` reaches 0, where refs counts its
+//   sequence rows, the live pages that name it, and 1 while indexed.
+#pragma once
+
+#include <cassert>
+#include <cstdint>
+#include <vector>
+
+#include "keys.hpp"
+
+namespace kvtier {
+
+struct Block {
+  Key key{};
+  int32_t parent = -1;
+  int32_t first_child = -1;     // newest child first
+  int32_t next_sibling = -1;
+  int32_t depth = 0;            // index of the block in its sequence
+  int32_t refs = 0;
+  bool indexed = false;
+  bool has_key = false;         // a block extended before its tokens were known has none yet
+  bool in_use = false;
+};
+
+class BlockIndex {
+ public:
+  explicit BlockIndex(int n_lcs) : n_lcs_(n_lcs) { rehash(1024); }
+
+  std::vector<Block> blocks;
+  std::vector<int32_t> pages;   // blocks.size() * n_lcs: the block's page per life cycle (-1: none)
+
+  int n_lcs() const { return n_lcs_; }
+  size_t indexed_count() const { return count_; }
+  int32_t& page(int32_t b, int lc) { return pages[size_t(b) * n_lcs_ + lc]; }
+  int32_t page(int32_t b, int lc) const { return pages[size_t(b) * n_lcs_ + lc]; }
+
+  int32_t create(int32_t parent, int32_t depth) {
+    int32_t id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+      blocks[id] = Block();
+      for (int lc = 0; lc < n_lcs_; ++lc) page(id, lc) = -1;
+    } else {
+      id = int32_t(blocks.size());
+      blocks.emplace_back();
+      pages.insert(pages.end(), n_lcs_, -1);
+    }
+    Block& b = blocks[id];
+    b.parent = parent;
+    b.depth = depth;
+    b.in_use = true;
+    return id;
+  }
+
+  void ref(int32_t b) { ++blocks[b].refs; }
+  void unref(int32_t b) {
+    Block& x = blocks[b];
+    assert(x.refs > 0);
+    if (--x.refs == 0) {
+      assert(!x.indexed);
+      x.in_use = false;
+      free_.push_back(b);
+    }
+  }
+
+  int32_t find(const Key& k) const {
+    size_t mask = table_.size() - 1;
+    for (size_t i = k.hash() & mask;; i = (i + 1) & mask) {
+      int32_t b = table_[i];
+      if (b < 0) return -1;
+      if (blocks[b].key == k) return b;
+    }
+  }
+
+  // Index block `b` (its key set, not indexed yet) under its parent.
+  void insert(int32_t b) {
+    Block& x = blocks[b];
+    assert(!x.indexed && x.has_key && find(x.key) < 0);
+    x.indexed = true;
+    ++x.refs;
+    if ((count_ + 1) * 2 > table_.size()) rehash(table_.size() * 2);
+    size_t mask = table_.size() - 1;
+    size_t i = x.key.hash() & mask;
+    while (table_[i] >= 0) i = (i + 1) & mask;
+    table_[i] = b;
+    ++count_;
+    if (x.parent >= 0) {
+      Block& p = blocks[x.parent];
+      x.next_sibling = p.first_child;
+      p.first_child = b;
+    }
+  }
+
+  // Take `b` out of the index (and out of its parent's children); it keeps
+  // its parent link, loses its children links. The caller unrefs it after.
+  void erase(int32_t b) {
+    Block& x = blocks[b];
+    assert(x.indexed);
+    x.indexed = false;
+    size_t mask = table_.size() - 1;
+    size_t i = x.key.hash() & mask;
+    while (table_[i] != b) {
+      assert(table_[i] >= 0);
+      i = (i + 1) & mask;
+    }
+    // backward-shift deletion: no tombstones, probes stay short
+    size_t j = i;
+    for (;;) {
+      j = (j + 1) & mask;
+      int32_t c = table_[j];
+      if (c < 0) break;
+      size_t home = blocks[c].key.hash() & mask;
+      bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
+      if (movable) {
+        table_[i] = c;
+        i = j;
+      }
+    }
+    table_[i] = -1;
+    --count_;
+    if (x.parent >= 0) {
+      Block& p = blocks[x.parent];
+      int32_t* link = &p.first_child;
+      while (*link != b) {
+        assert(*link >= 0);
+        link = &blocks[*link].next_sibling;
+      }
+      *link = x.next_sibling;
+    }
+    x.next_sibling = -1;
+    x.first_child = -1;
+  }
+
+  template <class F>
+  void for_each_indexed(F f) const {
+    for (int32_t b : table_)
+      if (b >= 0) f(b);
+  }
+
+  size_t table_bytes() const { return table_.capacity() * sizeof(int32_t); }
+
+ private:
+  void rehash(size_t n) {
+    std::vector<int32_t> old;
+    old.swap(table_);
+    table_.assign(n, -1);
+    size_t mask = n - 1;
+    for (int32_t b : old) {
+      if (b < 0) continue;
+      size_t i = blocks[b].key.hash() & mask;
+      while (table_[i] >= 0) i = (i + 1) & mask;
+      table_[i] = b;
+    }
+  }
+
+  int n_lcs_;
+  std::vector<int32_t> table_;   // open addressing, linear probing; -1 empty; load <= 1/2
+  size_t count_ = 0;
+  std::vector<int32_t> free_;
+};
+
+}  // namespace kvtier
