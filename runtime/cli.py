@@ -173,7 +173,8 @@ def _print_replay(out: dict) -> None:
     rows += [[f"  hits on {t}", f"{r:.2%}"] for t, r in out["hit_rate_by_tier"].items()]
     rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["pages verified", out["verified_pages"]],
              ["pages corrupt", out["corrupt_pages"]],
-             ["loop lag p50 / p99", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} ms"]]
+             ["loop lag p50 / p99 / max", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} / "
+                                          f"{out['loop_lag_ms']['max']} ms"]]
     if out.get("errors"):
         rows.append(["errors", ", ".join(f"{k}: {v}" for k, v in out["errors"].items())])
     _table("Replay", ["", "value"], rows)
