@@ -41,14 +41,16 @@ def _gbps(nbytes: int, secs: float) -> float:
     return nbytes / secs / 1e9 if secs > 0 else 0.0
 
 
-async def _move_all(store: Store, pages: list, dst: int) -> float:
-    """Move ``pages`` to tier ``dst`` in concurrent batches; seconds taken."""
+async def _move_all(store: Store, pages, dst: int) -> float:
+    """Move ``pages`` (one pool group's ``Pages``) to tier ``dst`` in
+    concurrent batches; seconds taken."""
     t0 = time.perf_counter()
     jobs = []
+    core = store.core
     for i in range(0, len(pages), BATCH):
-        chunk = pages[i:i + BATCH]
-        g = store.group_of[dst][chunk[0].lc]
-        slots = store.allocs[dst][g].allocate(len(chunk))
+        chunk = pages.slice(i, i + BATCH)
+        (g, n), = core.group_counts(chunk, dst)
+        slots = core.allocate(dst, g, n)
         store._claim(chunk, dst)
         jobs.append(store._move_claimed(chunk, dst, {g: slots}, handoff=False))
     await asyncio.gather(*jobs)
@@ -62,7 +64,7 @@ async def _fill(store: Store, n_blocks: int) -> list:
     gpu.copy_(torch.randint(0, 256, gpu.shape, dtype=torch.uint8, device=gpu.device))
     seq.commit(n_blocks)
     await seq.close()
-    return [p for o in store.owners[GPU] for p in o if p is not None]
+    return store.core.tier_pages(GPU, 0)
 
 
 def _raw_copy(nbytes: int, device: torch.device, pinned: bool) -> tuple[float, float]:

@@ -6,13 +6,14 @@ Callers may pass precomputed keys instead (ints, like the Mooncake trace's
 """
 from __future__ import annotations
 
-import hashlib
 import numbers
 from typing import Sequence
 
 import numpy as np
 
 from tiers.errors import UsageError
+
+from .core import chain_block_keys
 
 BlockKey = int | bytes
 
@@ -26,16 +27,8 @@ def hash_blocks(tokens: Sequence[int], tokens_per_block: int, salt: bytes = b"",
         raise UsageError("tokens must be a sequence of integers") from None
     if arr.ndim != 1:
         raise UsageError(f"tokens must be one-dimensional, got shape {arr.shape}")
-    raw = arr.astype("<i8").tobytes()
-    width = tokens_per_block * 8
-    keys, prev = [], parent
-    for i in range(len(arr) // tokens_per_block):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(raw[i * width:(i + 1) * width])
-        h.update(salt)
-        prev = h.digest()
-        keys.append(prev)
-    return keys
+    # hashed natively, with the GIL released: a 4096-block prompt takes about a millisecond
+    return chain_block_keys(arr.astype("<i8", copy=False).tobytes(), tokens_per_block, bytes(salt), bytes(parent))
 
 
 def _as_int(x: object) -> int | None:

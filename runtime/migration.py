@@ -13,6 +13,7 @@ this module only moves bytes and counts them.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -25,14 +26,9 @@ from tiers.layers import LifeCycle
 from tiers.staging import StagingPool
 from tiers.streams import Event, HostStream
 
-from .pages import GPU, HOST, TIER_NAMES, Page
+from .pages import GPU, HOST, TIER_NAMES
 from .readiness import wait_event, wait_events
 from .stats import MoveStats
-
-try:
-    from tiers.disk import PageRecord
-except ImportError:   # pragma: no cover - tiers.disk lands with the disk tier
-    PageRecord = None
 
 
 FEW_RUNS = 4             # above this many runs, host rows move by fancy indexing, not per run
@@ -40,6 +36,22 @@ INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the 
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 ANONYMOUS_KEY = b""      # disk record key of a page that must not be recovered
+
+
+@dataclasses.dataclass(slots=True)
+class Batch:
+    """The pages of one move, as the core describes them: one source tier
+    and group, sorted by source slot."""
+
+    src_tier: int
+    src_group: int
+    src_slots: list[int]
+    lcs: list[int]                      # life cycle per page
+    deps: set                           # the pages' ready events (few distinct: one per batch that placed them)
+    records: Callable[[], list]         # their disk journal records (called on the loop, for writes to disk)
+
+    def __len__(self) -> int:
+        return len(self.src_slots)
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -162,22 +174,21 @@ class MigrationEngine:
         return out
 
     # -- one batch --------------------------------------------------------------
-    async def run(self, pages: Sequence[Page], dst_tier: int, dst_group: int, dst_slots: Sequence[int],
+    async def run(self, batch: Batch, dst_tier: int, dst_group: int, dst_slots: Sequence[int],
                   fences: Sequence[Event | None]) -> Event:
-        """Move ``pages`` (one source tier and group, sorted by source slot)
-        into ``dst_slots`` (ascending). ``fences`` are the events a writer of
-        the destination slots must wait for. Returns the batch's event."""
-        src_tier, src_group = pages[0].tier, pages[0].group
-        src_slots = [p.slot for p in pages]
-        lcs = [p.lc for p in pages]
-        deps = {p.ready for p in pages}         # one event per batch that placed them: few distinct
+        """Move ``batch`` into ``dst_slots`` (ascending). ``fences`` are the
+        events a writer of the destination slots must wait for. Returns the
+        batch's event."""
+        src_tier, src_group, src_slots, lcs = batch.src_tier, batch.src_group, batch.src_slots, batch.lcs
+        n_pages = len(src_slots)
+        deps = set(batch.deps)
         deps.update(fences)
         busy = [0.0]        # seconds the stages' jobs ran (not queued), for bandwidth
         if self.fault is not None:
             self.fault(src_tier, dst_tier)
         dev = self.device.torch_device
         host_dev = torch.device("cpu")
-        nbytes = len(pages) * self._dst_width(dst_tier, dst_group)
+        nbytes = n_pages * self._dst_width(dst_tier, dst_group)
         small = nbytes <= INLINE_BYTES   # a few µs of memcpy: cheaper on the loop than a hop to a copy thread
 
         if src_tier == GPU:
@@ -194,8 +205,8 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
                 ev = await self._stage(busy, self.down, job, deps, inline=small)
             else:
-                records = self.records_of(pages)
-                with self.staging.borrow(len(pages), cold_bytes) as buf:
+                records = batch.records()
+                with self.staging.borrow(n_pages, cold_bytes) as buf:
                     def job() -> None:
                         if self._identity(lcs):
                             gather(hot.tensor, src_slots, host_dev, out=buf)
@@ -218,12 +229,12 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                 ev = await self._stage(busy, self.up, job, deps, inline=small)
             else:
-                records = self.records_of(pages)
+                records = batch.records()
                 ev = await self._stage(busy, self.io_write,
                                        lambda: self._spill(src, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
-            read_deps = {p.ready for p in pages}
+            read_deps = set(batch.deps)
             if dst_tier == HOST:
                 dst = self.host[dst_group].tensor
 
@@ -233,7 +244,7 @@ class MigrationEngine:
                 ev = await self._stage(busy, self.io_read, job, read_deps.union(fences))
             else:
                 dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
-                with self.staging.borrow(len(pages), width) as staging:
+                with self.staging.borrow(n_pages, width) as staging:
                     await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
                                       read_deps)
 
@@ -241,7 +252,7 @@ class MigrationEngine:
                         rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
-        self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], len(pages), nbytes, busy[0])
+        self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
         return ev
 
     async def _stage(self, busy: list[float], stream, job: Callable[[], None],
@@ -291,19 +302,6 @@ class MigrationEngine:
             if done:
                 self.disk.free(group, done)
             raise
-
-    def records_of(self, pages: Sequence[Page]) -> list:
-        """The disk journal records of ``pages`` (anonymous for uncommitted ones)."""
-        out = []
-        append = out.append
-        for p in pages:     # fields by position: this runs per page spilled, keywords cost twice as much
-            if p.published:
-                b = p.block
-                parent = b.parent
-                append(PageRecord(b.key, parent.key if parent is not None else None, b.depth, p.lc, p.priority))
-            else:       # a sequence's own page: its content is not committed, never recover it
-                append(PageRecord(ANONYMOUS_KEY, None, 0, p.lc, p.priority))
-        return out
 
     def _dst_width(self, tier: int, group: int) -> int:
         return self.gpu[group].spec.slot_bytes if tier == GPU else self.cold_bytes[group]

@@ -49,36 +49,37 @@ class Reclaimer:
 
     def kick_after(self, n: int) -> None:
         """Called before ``n`` slots are taken: wake if that goes below the reserve."""
-        if self.store.allocs[self.tier][self.group].free - n < self.low:
+        if self.store.core.free(self.tier, self.group) - n < self.low:
             self.wake.set()
 
     async def _run(self) -> None:
-        store, alloc = self.store, self.store.allocs[self.tier][self.group]
+        store = self.store
         while True:
             await self.wake.wait()
             self.wake.clear()
             self.busy = True
             self.idle.clear()
             try:
-                await self._refill(store, alloc)
+                await self._refill(store)
             finally:
                 self.busy = False
                 self.idle.set()
 
-    async def _refill(self, store: "Store", alloc) -> None:
-        while alloc.free < self.high and not store.closed:
-            want = min(self.high - alloc.free, MAX_BATCH, len(store.queues[self.tier][self.group]))
+    async def _refill(self, store: "Store") -> None:
+        core, tier, group = store.core, self.tier, self.group
+        while core.free(tier, group) < self.high and not store.closed:
+            want = min(self.high - core.free(tier, group), MAX_BATCH, core.queue_len(tier, group))
             if want <= 0:
                 return
-            try:
-                victims = store._pick_victims(self.tier, self.group, want)
-            except OutOfPagesError:
+            victims = store._pick_victims(tier, group, want, raise_=False)
+            if victims is None:
                 return
             task = store._spawn(store._evict(self.tier, victims))
             try:
                 slots = await asyncio.shield(task)
             except asyncio.CancelledError:      # the store is closing: the slots still go back
-                task.add_done_callback(lambda t: t.cancelled() or t.exception() or alloc.release(t.result()))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception()
+                                       or core.release_slots(tier, group, t.result(), 0))
                 raise
             except OutOfPagesError:
                 return                          # colder tiers are full of held pages: requests evict on demand
@@ -86,4 +87,4 @@ class Reclaimer:
                 log.warning("background demotion from tier %d failed: %r", self.tier, exc)
                 await asyncio.sleep(0.05)
                 return
-            alloc.release(slots)
+            core.release_slots(tier, group, slots, 0)

@@ -58,15 +58,15 @@ class PageWriter:
         ``blocks`` that this sequence has locked on the GPU. Only locked
         pages hold still while a worker thread reads them."""
         out = []
-        locked = {id(p) for p in seq.locked}
         for lc, views in enumerate(self.views):
-            skip = set(seq.recompute_blocks(views[0][0]))
+            layer0 = views[0][0]
+            skip = set(seq.recompute_blocks(layer0))
+            locked = seq.locked_indices(layer0)
             seeds, slots = [], []
             for b in blocks:
-                p = seq.pages[b][lc]
-                if p is not None and id(p) in locked and p.tier == 0 and b not in skip:
+                if locked[b] >= 0 and b not in skip:
                     seeds.append(key_seed(seq.keys[b], lc))
-                    slots.append(p.slot)
+                    slots.append(locked[b])
             if slots:
                 out.append((lc, seeds, slots))
         return out

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Sequence as Seq
 
 from tiers.errors import StoreClosedError, UsageError
 
+from .views import PageView, page_rows
 from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
-from .pages import GPU, Block, Page
 from .readiness import wait_events
 
 if TYPE_CHECKING:
@@ -16,27 +16,40 @@ if TYPE_CHECKING:
 
 class Sequence:
     """Returned by ``Store.open_sequence``. Methods mirror DESIGN.md §3; the
-    store does the work, this object holds the sequence's state."""
+    store does the work. The sequence's blocks and pages live in the native
+    core under ``sid``; this object holds its keys and asyncio state."""
 
-    __slots__ = ("store", "keys", "tokens", "blocks", "pages", "priority", "matched_blocks", "matched_by_tier",
-                 "committed", "acquired", "locked", "closed", "busy", "task", "recompute")
+    __slots__ = ("store", "sid", "keys", "tokens", "priority", "matched_blocks", "matched_by_tier",
+                 "closed", "busy", "task", "final_committed")
 
-    def __init__(self, store: "Store", keys: list[BlockKey], tokens: list[int] | None, priority: int) -> None:
+    def __init__(self, store: "Store", sid: int, keys: list[BlockKey], tokens: list[int] | None,
+                 priority: int) -> None:
         self.store = store
+        self.sid = sid
         self.keys = keys
         self.tokens = tokens                    # kept only to hash later blocks (append)
-        self.blocks: list[Block] = []
-        self.pages: list[list[Page | None]] = []   # per block, per life cycle
         self.priority = priority
         self.matched_blocks = 0
         self.matched_by_tier = {"gpu": 0, "host": 0, "disk": 0}
-        self.committed = 0
-        self.acquired = False
-        self.locked: list[Page] = []            # exactly the pages this sequence's acquire locked
         self.closed = False
         self.busy = False
         self.task = None                        # the running acquire/extend (it outlives a cancelled caller)
-        self.recompute: set[tuple[int, int]] = set()   # (block, life cycle) pages with no cached data
+        self.final_committed = 0                # committed blocks when it closed
+
+    @property
+    def committed(self) -> int:
+        """Blocks published (or matched) so far."""
+        return self.final_committed if self.closed else self.store.core.committed(self.sid)
+
+    @property
+    def acquired(self) -> bool:
+        return not self.closed and self.store.core.acquired(self.sid)
+
+    @property
+    def pages(self) -> list[list[PageView | None]]:
+        """A snapshot of the sequence's pages, per block and life cycle
+        (for tests and tools; not for hot paths)."""
+        return [] if self.closed else page_rows(self.store.core, self.sid, len(self.store.lcs))
 
     # -- state checks -------------------------------------------------------------
     def _check_open(self) -> None:
@@ -48,7 +61,7 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks with pages (matched + extended)."""
-        return len(self.blocks)
+        return 0 if self.closed else self.store.core.num_blocks(self.sid)
 
     # -- public API -----------------------------------------------------------------
     def append(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None) -> None:
@@ -62,7 +75,7 @@ class Sequence:
                 raise UsageError("appended block keys must have the same type as the sequence's")
             if self.tokens is not None:
                 raise UsageError("this sequence was opened with tokens; append tokens")
-            self.keys.extend(keys)
+            self._append_keys(keys)
             return
         if self.tokens is None:
             raise UsageError("this sequence was opened with block_keys; append block_keys")
@@ -71,7 +84,14 @@ class Sequence:
         done = len(self.keys)
         parent = self.keys[-1] if self.keys else b""
         keys = hash_blocks(self.tokens[done * tpb:] + new, tpb, self.store.cfg.hash_salt, parent)
+        self._append_keys(keys)
         self.tokens.extend(new)
+
+    def _append_keys(self, keys: list[BlockKey]) -> None:
+        try:
+            self.store.core.append_keys(self.sid, keys)
+        except (ValueError, TypeError) as exc:      # a key the core cannot hold: nothing changed
+            raise UsageError(str(exc)) from None
         self.keys.extend(keys)
 
     async def extend(self, num_blocks: int) -> None:
@@ -110,15 +130,19 @@ class Sequence:
     def page_indices(self, layer_id: int) -> list[int]:
         """GPU slot per block for ``layer_id``'s pools (-1: no GPU page)."""
         self._check_open()
-        lc = self.store._lc_of_layer(layer_id)
-        return [p.slot if p is not None and p.tier == GPU and not p.dead else -1 for p in (b[lc] for b in self.pages)]
+        return self.store.core.page_indices(self.sid, self.store._lc_of_layer(layer_id))
+
+    def locked_indices(self, layer_id: int) -> list[int]:
+        """GPU slot per block of the pages this sequence's acquire locked for
+        ``layer_id`` (-1 elsewhere): the pages that hold still until release."""
+        self._check_open()
+        return self.store.core.locked_slots(self.sid, self.store._lc_of_layer(layer_id))
 
     def recompute_blocks(self, layer_id: int) -> list[int]:
         """Blocks whose pages for ``layer_id`` hold no cached data (an
         ``OPTIONAL`` page that was not present): the caller recomputes them."""
         self._check_open()
-        lc = self.store._lc_of_layer(layer_id)
-        return sorted(b for b, l in self.recompute if l == lc)
+        return self.store.core.recompute_blocks(self.sid, self.store._lc_of_layer(layer_id))
 
     def commit(self, num_blocks: int) -> None:
         """Publish the first ``num_blocks`` full blocks for reuse."""
@@ -127,8 +151,8 @@ class Sequence:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if self.busy:
             raise UsageError("commit while an acquire or extend of this sequence is still running")
-        if num_blocks > len(self.blocks):
-            raise UsageError(f"cannot commit {num_blocks} blocks: only {len(self.blocks)} have pages")
+        if num_blocks > self.num_blocks:
+            raise UsageError(f"cannot commit {num_blocks} blocks: only {self.num_blocks} have pages")
         if num_blocks > len(self.keys):
             raise UsageError(f"cannot commit {num_blocks} blocks: only {len(self.keys)} have keys "
                              "(append the tokens first)")

@@ -23,6 +23,7 @@ from tiers.layers import LayerSpec
 from tiers.policy import ReusePolicy
 
 from .pages import DISK
+from .views import page_view
 from .replay import PageWriter
 from .store import Store
 
@@ -92,17 +93,22 @@ class _Run:
         self.counts["corrupt"] += bad
 
 
+def _owned(store: Store, tier: int, group: int) -> list:
+    core = store.core
+    return [page_view(core, i) for i in core.tier_pages(tier, group).tolist()]
+
+
 def _leaks(store: Store) -> int:
     leaked = 0
     for t in store.tier_ids:
-        for g, alloc in enumerate(store.allocs[t]):
-            owned = [p for p in store.owners[t][g] if p is not None]
-            leaked += abs(alloc.used - len(owned)) + sum(1 for p in owned if p.holders or p.locks)
+        for g in range(store.core.n_groups(t)):
+            owned = _owned(store, t, g)
+            leaked += abs(store.core.used(t, g) - len(owned)) + sum(1 for p in owned if p.holders or p.locks)
     return leaked
 
 
 def _disk_keys(store: Store) -> set:
-    return {(p.block.key, p.lc) for o in store.owners[DISK] for p in o if p is not None and p.published}
+    return {(p.key, p.lc) for g in range(store.core.n_groups(DISK)) for p in _owned(store, DISK, g) if p.published}
 
 
 async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, faults: bool = False,

@@ -136,8 +136,10 @@ async def test_a_claim_split_into_batches_completes_page_by_page(tmp_path):
         await fill(store, toks(3, 4))            # ... then its first half, pushing the deeper half to disk
         await store.drain()
         seq = await store.open_sequence(tokens=a)
-        pages = [row[0] for row in seq.pages]
-        tiers = {p.tier for p in pages}
+
+        def pages():                            # a fresh snapshot of the sequence's pages
+            return [row[0] for row in seq.pages]
+        tiers = {p.tier for p in pages()}
         assert tiers == {HOST, DISK}, tiers
         read = store.disk.read
 
@@ -148,13 +150,14 @@ async def test_a_claim_split_into_batches_completes_page_by_page(tmp_path):
         task = asyncio.ensure_future(seq.acquire())
         for _ in range(200):
             await asyncio.sleep(0.005)
-            if any(p.tier == GPU for p in pages):
+            if any(p.tier == GPU for p in pages()):
                 break
-        still_on_disk = [p for p in pages if p.tier == DISK]
-        assert any(p.tier == GPU for p in pages) and still_on_disk
-        assert all(p.moving is not None and not p.moving.done() for p in still_on_disk)
+        now = pages()
+        still_on_disk = [p for p in now if p.tier == DISK]
+        assert any(p.tier == GPU for p in now) and still_on_disk
+        assert all(p.claim and not store.claims.futures[p.claim].done() for p in still_on_disk)
         await task
-        assert all(p.tier == GPU for p in pages)
+        assert all(p.tier == GPU for p in pages())
         for b in range(8):
             assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
         await seq.close()
@@ -176,8 +179,9 @@ async def test_a_waiter_on_a_split_promotion_gets_only_its_own_batchs_error(tmp_
         seq_a = await store.open_sequence(tokens=a)
         seq_b = await store.open_sequence(tokens=a[:16])      # A's first half only: on host
         seqs += [seq_a, seq_b]
-        b_pages = [row[0] for row in seq_b.pages]
-        assert {p.tier for p in b_pages} == {HOST}
+        def b_pages():                          # a fresh snapshot of B's pages
+            return [row[0] for row in seq_b.pages]
+        assert {p.tier for p in b_pages()} == {HOST}
         assert {row[0].tier for row in seq_a.pages} == {HOST, DISK}
         write = store.disk.write
 
@@ -189,14 +193,14 @@ async def test_a_waiter_on_a_split_promotion_gets_only_its_own_batchs_error(tmp_
         ta = asyncio.ensure_future(seq_a.acquire())
         for _ in range(100):
             await asyncio.sleep(0.001)
-            if all(p.moving is not None for p in b_pages):
+            if all(p.claim for p in b_pages()):
                 break
-        assert all(p.moving is not None for p in b_pages)
+        assert all(p.claim for p in b_pages())
         tb = asyncio.ensure_future(seq_b.acquire())
         (res_a,) = await asyncio.gather(ta, return_exceptions=True)
         await tb                                               # raised A's TierIOError before the fix
         assert isinstance(res_a, TierIOError)
-        assert all(p.tier == GPU for p in b_pages)
+        assert all(p.tier == GPU for p in b_pages())
         for b in range(4):
             assert torch.equal(read_block(store, seq_b, 0, b), expected_block(store, seq_b, 0, b))
     finally:

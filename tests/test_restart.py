@@ -15,6 +15,7 @@ import torch
 
 from runtime import ConfigError, DiskFullError, LayerSpec, Store, TierIOError, UsageError
 from runtime.pages import DISK
+from runtime.views import page_view
 
 from helpers import config, expected_block, fill, read_block, toks, write_blocks
 
@@ -271,18 +272,18 @@ async def test_recovered_pages_are_evicted_deepest_first(tmp_path):
         for base in range(0, 12, 3):                  # shared prefixes: longer chains on the first blocks
             await fill(store, toks(base, 4) + toks(100 + base, 3))
     async with Store.open(_cfg(tmp_path, gpu=8, host=8)) as store:
-        q = store.queues[DISK][0]
-        order = q.pop_many(len(q))
+        core = store.core
+        victims, _ = core.pick_victims(DISK, 0, core.queue_len(DISK, 0), 0)     # the eviction order, claimed
+        order = [page_view(core, i) for i in victims.tolist()]
         assert len(order) == store.stats()["recovered_pages"] > 40
         gone = set()
         for p in order:
-            node = p.block.parent
-            while node is not None:
-                assert id(node) not in gone, "an ancestor left before its descendant"
-                node = node.parent
-            gone.add(id(p.block))
-        for p in order:                               # back in the queue, so the store closes cleanly
-            store._requeue(p)
+            node = store.nodes[p.key]
+            while node.parent is not None:
+                assert node.parent not in gone, "an ancestor left before its descendant"
+                node = store.nodes[node.parent]
+            gone.add(p.key)
+        core.unclaim(victims)                         # back in the queue, so the store closes cleanly
 
 
 async def test_pages_committed_while_a_claim_holds_them_get_their_keys_when_it_ends(tmp_path):

@@ -12,11 +12,10 @@ import torch
 from .device import Device
 from .errors import ConfigError
 from .grouping import GPU, PoolGroupSpec
-from .slots import SlotAllocator
 
 
 class SlabPool:
-    __slots__ = ("spec", "tensor", "allocator", "offsets")
+    __slots__ = ("spec", "tensor", "offsets")
 
     def __init__(self, spec: PoolGroupSpec, slots: int, device: Device) -> None:
         self.spec = spec
@@ -27,7 +26,6 @@ class SlabPool:
             tier = "gpu" if spec.tier == GPU else "host"
             raise ConfigError(f"tiers.{tier}.quota", f"cannot allocate {slots} slots of {spec.slot_bytes} bytes "
                                                      f"for pool group {spec.index}: {str(exc).splitlines()[0]}") from None
-        self.allocator = SlotAllocator(slots)
         offs, o = [], 0
         for size in spec.slot_sizes:
             offs.append(o)
@@ -36,7 +34,7 @@ class SlabPool:
 
     @property
     def slots(self) -> int:
-        return self.allocator.capacity
+        return self.tensor.shape[0]
 
     def pool_view(self, pool: int) -> torch.Tensor:
         off = self.offsets[pool]

@@ -120,11 +120,17 @@ NB_MODULE(_core, m) {
       [](nb::bytes tokens, size_t tokens_per_block, nb::bytes salt, nb::bytes parent) {
         // tokens: little-endian int64 bytes (numpy's tobytes of an '<i8' array)
         if (tokens_per_block == 0) throw nb::value_error("tokens_per_block must be positive");
+        if (tokens.size() % 8) throw nb::value_error("tokens must be whole little-endian int64s (8 bytes each)");
         size_t n_tokens = tokens.size() / 8;
         size_t n_blocks = n_tokens / tokens_per_block;
         std::string out(n_blocks * 16, '\0');
         std::vector<int64_t> toks(n_tokens);
-        std::memcpy(toks.data(), tokens.c_str(), n_tokens * 8);
+        const unsigned char* raw = reinterpret_cast<const unsigned char*>(tokens.c_str());
+        for (size_t i = 0; i < n_tokens; ++i) {      // little-endian on any host
+          uint64_t v = 0;
+          for (int b = 7; b >= 0; --b) v = (v << 8) | raw[8 * i + size_t(b)];
+          toks[i] = int64_t(v);
+        }
         {
           nb::gil_scoped_release nogil;
           kvtier::chain_block_keys(toks.data(), n_tokens, tokens_per_block,
@@ -197,6 +203,9 @@ NB_MODULE(_core, m) {
       .def("prefetch_pages", [](Core& c, int32_t s) { return Pages{c.prefetch_pages(s)}; })
       .def("commit", &Core::commit)
       .def("page_indices", [](const Core& c, int32_t s, int lc) { return c.page_indices(s, lc); })
+      .def("locked_slots", [](const Core& c, int32_t s, int lc) { return c.locked_slots(s, lc); })
+      .def("tier_pages", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return Pages{c.tier_pages(tier, g)}; })
+      .def("drop_page", &Core::drop_page)
       .def("recompute_blocks", [](const Core& c, int32_t s, int lc) { return c.recompute_blocks(s, lc); })
       // -- slots
       .def("allocate", [](Core& c, int tier, int g, int32_t n) -> nb::object {
@@ -375,6 +384,7 @@ NB_MODULE(_core, m) {
              d["stamp"] = p.stamp;
              d["priority"] = int(p.priority);
              d["depth"] = p.block >= 0 ? c.block(p.block).depth : -1;
+             d["key"] = p.block >= 0 && c.block(p.block).has_key ? from_key(c.block(p.block).key) : nb::none();
              return d;
            })
       .def("seq_pages", [](const Core& c, int32_t s) {

@@ -693,6 +693,19 @@ Ids Core::page_indices(int32_t s, int lc) const {
   return out;
 }
 
+Ids Core::locked_slots(int32_t s, int lc) const {
+  const Seq& q = seqs_[s];
+  int nl = n_lcs();
+  Ids out(q.blocks.size(), -1);
+  if (!q.acquired) return out;
+  std::unordered_set<int32_t> locked(q.locked.begin(), q.locked.end());
+  for (size_t b = 0; b < q.blocks.size(); ++b) {
+    int32_t id = q.pages[b * nl + lc];
+    if (id >= 0 && locked.count(id) && pt_[id].tier == GPU && !pt_[id].dead) out[b] = pt_[id].slot;
+  }
+  return out;
+}
+
 Ids Core::recompute_blocks(int32_t s, int lc) const {
   const Seq& q = seqs_[s];
   int nl = n_lcs();
@@ -1063,6 +1076,22 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
   for (auto& [g, slots] : disk_frees_) forget[g].insert(forget[g].end(), slots.begin(), slots.end());
   disk_frees_.clear();
   return forget;
+}
+
+// -- tools and tests ----------------------------------------------------------------------
+
+Ids Core::tier_pages(int tier, int group) const {
+  Ids out;
+  for (int32_t id : owners_[tier][group])
+    if (id >= 0) out.push_back(id);
+  return out;
+}
+
+void Core::drop_page(int32_t id) {
+  require(id >= 0 && size_t(id) < pt_.pages.size() && pt_[id].in_use && !pt_[id].dead && pt_[id].published &&
+              !pt_[id].claim,
+          "drop_page: not a live, published, unclaimed page");
+  drop(id);
 }
 
 // -- drains and queries -----------------------------------------------------------------

@@ -131,6 +131,7 @@ class Core {
   int32_t commit(int32_t s, int32_t n);
 
   Ids page_indices(int32_t s, int lc) const;
+  Ids locked_slots(int32_t s, int lc) const;      // GPU slot per block of the pages this sequence locked, else -1
   Ids recompute_blocks(int32_t s, int lc) const;
 
   // -- slots ------------------------------------------------------------------------
@@ -175,6 +176,10 @@ class Core {
   // -- drains -----------------------------------------------------------------------
   std::vector<std::pair<int32_t, Ids>> take_disk_frees();
   std::vector<std::pair<int32_t, Ids>> take_relabels();     // (disk group, pages)
+
+  // -- tools and tests --------------------------------------------------------------
+  Ids tier_pages(int tier, int group) const;      // the pages owning slots of (tier, group), by slot
+  void drop_page(int32_t id);                     // drop a published page as the last tier's eviction would
 
   // -- queries ----------------------------------------------------------------------
   const Page& page(int32_t id) const { return pt_[id]; }

@@ -128,14 +128,11 @@ class BlockIndex {
     }
     table_[i] = -1;
     --count_;
-    if (x.parent >= 0) {
-      Block& p = blocks[x.parent];
-      int32_t* link = &p.first_child;
-      while (*link != b) {
-        assert(*link >= 0);
-        link = &blocks[*link].next_sibling;
-      }
-      *link = x.next_sibling;
+    if (x.parent >= 0 && blocks[x.parent].indexed) {   // an unindexed parent has let go of its children
+      int32_t* link = &blocks[x.parent].first_child;
+      while (*link >= 0 && *link != b) link = &blocks[*link].next_sibling;
+      assert(*link == b);
+      if (*link == b) *link = x.next_sibling;
     }
     x.next_sibling = -1;
     x.first_child = -1;
