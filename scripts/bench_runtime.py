@@ -17,8 +17,8 @@ import os
 import sys
 import tempfile
 
-from runtime.bench import bench_replay, default_trace
-from runtime.cli import tune_gc
+from runtime.tools.bench import bench_replay, default_trace
+from runtime.tools.cli import tune_gc
 from runtime.loop import run
 from tiers.errors import KvtierError
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         tests_rc = 124
     test_secs = time.perf_counter() - t0
 
-    from runtime.bench import bench_moves
+    from runtime.tools.bench import bench_moves
     from runtime.loop import run
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-check-") as tmp:

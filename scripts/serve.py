@@ -80,7 +80,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 import runtime  # noqa: E402
-from runtime.cli import at_least, tune_gc  # noqa: E402
+from runtime.tools.cli import at_least, tune_gc  # noqa: E402
 from runtime.migration import index_tensor  # noqa: E402
 
 log = logging.getLogger("kvtier.serve")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Spill-to-disk experiment: hit rates, traffic and bandwidth across tier sizes and codecs.
 
-Replays a Mooncake trace (default: the bundled ``runtime/data/synthetic_slice.jsonl``)
+Replays a Mooncake trace (default: the bundled ``runtime/tools/data/synthetic_slice.jsonl``)
 through a real ``runtime.Store`` once per configuration -- GPU, host and disk
 capacities times cold-page codecs -- with real page bytes (``replay(content=True,
 verify=True)``: every page that comes back to the GPU is checked against what was
@@ -82,11 +82,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from runtime.demo import bundled_trace  # noqa: E402
+from runtime.tools.demo import bundled_trace  # noqa: E402
 from runtime.loop import run  # noqa: E402
-from runtime.replay import replay  # noqa: E402
+from runtime.tools.replay import replay  # noqa: E402
 from runtime.store import Store  # noqa: E402
-from runtime.trace import TraceRequest, read_trace, report_skipped  # noqa: E402
+from runtime.tools.trace import TraceRequest, read_trace, report_skipped  # noqa: E402
 from tiers.codecs import get_codec  # noqa: E402
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig  # noqa: E402
 from tiers.errors import KvtierError  # noqa: E402

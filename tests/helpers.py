@@ -6,7 +6,7 @@ import os
 import torch
 
 from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, ReusePolicy, StoreConfig
-from runtime.content import key_seed, pattern
+from runtime.tools.content import key_seed, pattern
 
 
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")    # scripts/gpu_check.py sets "cuda"

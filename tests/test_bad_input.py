@@ -11,7 +11,7 @@ import pytest
 
 from runtime import (ConfigError, GpuConfig, KvtierError, LayerSpec, ReusePolicy, Store, StoreConfig, UsageError,
                      load_config)
-from runtime.trace import read_trace
+from runtime.tools.trace import read_trace
 
 from helpers import config, fill, toks
 
@@ -19,7 +19,7 @@ KV = (("k", 256), ("v", 256))
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "runtime.tools.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 # ---- config built in Python takes what TOML spells, or says what is wrong ----------------------
@@ -221,7 +221,7 @@ async def test_a_commit_precheck_follows_blocks_extended_before_their_keys_were_
 
 
 async def test_bench_replay_reports_skipped_lines_and_refuses_a_trace_with_no_requests(tmp_path, capsys):
-    from runtime.bench import bench_replay
+    from runtime.tools.bench import bench_replay
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}\nnot json\n')
     huge = json.dumps({"timestamp": 2, "input_length": 5, "output_length": 1, "hash_ids": list(range(9, 5009))})

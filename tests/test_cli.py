@@ -7,7 +7,7 @@ import sys
 
 
 def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "runtime.tools.cli", *args], capture_output=True, text=True,
                           check=check, timeout=300)
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from runtime import Store, TierIOError
-from runtime.oracle import TieredLruBound
+from runtime.tools.oracle import TieredLruBound
 from runtime.pages import GPU
-from runtime.trace import read_trace
+from runtime.tools.trace import read_trace
 from tiers.streams import HostEvent
 
 from helpers import (DEVICE, config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles,

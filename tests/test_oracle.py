@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from runtime import LayerSpec, Store
-from runtime.oracle import LruPrefixCache, TieredLruBound
+from runtime.tools.oracle import LruPrefixCache, TieredLruBound
 
 from helpers import config, prefill_keys
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from runtime import (LayerSpec, OutOfPagesError, ReusePolicy, Store, StoreClosedError, UsageError)
-from runtime.content import matches
+from runtime.tools.content import matches
 from runtime.keys import hash_blocks
 
 from helpers import config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks

@@ -18,9 +18,9 @@ import torch
 from tiers.codecs import get_codec
 from tiers.errors import KvtierError, OutOfPagesError
 
+from ..lag import LoopLagMonitor
+from ..store import Store
 from .content import key_seed, matches, pattern
-from .lag import LoopLagMonitor
-from .store import Store
 from .trace import TraceRequest
 
 

@@ -15,8 +15,8 @@ from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.layers import LayerSpec
 from tiers.policy import ReusePolicy
 
+from ..store import Store
 from .replay import replay
-from .store import Store
 from .trace import read_trace
 
 TRACE = "synthetic_slice.jsonl"
@@ -32,7 +32,7 @@ def demo_config(disk_dir: str, gpu_slots: int = 1024, host_slots: int = 4096, di
 
 
 def bundled_trace() -> str:
-    return str(resources.files("runtime") / "data" / TRACE)
+    return str(resources.files("runtime.tools") / "data" / TRACE)
 
 
 async def run_demo(requests: int = 300, quiet: bool = False, concurrency: int = 4) -> dict:

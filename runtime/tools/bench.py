@@ -26,12 +26,12 @@ from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.errors import UsageError
 from tiers.layers import LayerSpec
 
+from ..lag import LoopLagMonitor
+from ..pages import DISK, GPU, HOST
+from ..store import Store
 from .demo import bundled_trace
-from .lag import LoopLagMonitor
 from .oracle import LruPrefixCache, TieredLruBound
-from .pages import DISK, GPU, HOST
 from .replay import replay
-from .store import Store
 from .trace import read_trace, report_skipped
 
 BATCH = 64
@@ -258,13 +258,13 @@ def movement_seconds(moved: dict, device, directory: str, sample: int = 64 << 20
 
 def default_trace() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
-    shared = os.path.join(here, "..", "..", "shared", "traces", "conversation_trace.jsonl")
+    shared = os.path.join(here, "..", "..", "..", "shared", "traces", "conversation_trace.jsonl")
     return shared if os.path.exists(shared) else bundled_trace()
 
 
 def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
               directory: str | None = None) -> dict:
-    from .loop import run
+    from ..loop import run
     sizes = [(256 << 10, 256)] if quick else [(64 << 10, 2048), (256 << 10, 1024), (2 << 20, 256)]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=directory) as tmp:

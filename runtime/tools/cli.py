@@ -14,8 +14,8 @@ from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.errors import KvtierError
 from tiers.grouping import TIERS
 
-from .config import load_config
-from .loop import run
+from ..config import load_config
+from ..loop import run
 
 
 def tune_gc() -> None:
@@ -143,7 +143,7 @@ def _flag_config(args, disk_dir: str | None) -> StoreConfig:
 
 def cmd_replay(args) -> int:
     from .replay import replay
-    from .store import Store
+    from ..store import Store
     from .trace import read_trace, report_skipped
     requests, problems = read_trace(args.trace, args.limit, args.strict)
     report_skipped(args.trace, problems)

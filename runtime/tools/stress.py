@@ -22,10 +22,10 @@ from tiers.errors import KvtierError, TierIOError
 from tiers.layers import LayerSpec
 from tiers.policy import ReusePolicy
 
-from .pages import DISK
-from .views import page_view
+from ..pages import DISK
+from ..store import Store
+from ..views import page_view
 from .replay import PageWriter
-from .store import Store
 
 TPB = 4
 
