@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Sequence as Seq
 from tiers.errors import StoreClosedError, UsageError
 
 from .views import PageView, page_rows
-from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
+import numpy as np
+
+from .keys import BlockKey, check_block_keys, hash_blocks, token_array
 from .readiness import wait_events
 
 if TYPE_CHECKING:
@@ -19,15 +21,18 @@ class Sequence:
     store does the work. The sequence's blocks and pages live in the native
     core under ``sid``; this object holds its keys and asyncio state."""
 
-    __slots__ = ("store", "sid", "keys", "tokens", "priority", "matched_blocks", "matched_by_tier",
+    __slots__ = ("store", "sid", "keys", "tail", "num_tokens", "priority", "matched_blocks", "matched_by_tier",
                  "closed", "busy", "task", "final_committed")
 
-    def __init__(self, store: "Store", sid: int, keys: list[BlockKey], tokens: list[int] | None,
+    def __init__(self, store: "Store", sid: int, keys: list[BlockKey], tokens: np.ndarray | None,
                  priority: int) -> None:
         self.store = store
         self.sid = sid
         self.keys = keys
-        self.tokens = tokens                    # kept only to hash later blocks (append)
+        # opened with tokens: those after the last full block, kept to hash the next one (append)
+        tpb = store.cfg.tokens_per_block
+        self.tail = None if tokens is None else tokens[len(keys) * tpb:].copy()
+        self.num_tokens = 0 if tokens is None else len(tokens)
         self.priority = priority
         self.matched_blocks = 0
         self.matched_by_tier = {"gpu": 0, "host": 0, "disk": 0}
@@ -73,19 +78,20 @@ class Sequence:
             keys = check_block_keys(block_keys)
             if keys and self.keys and type(keys[0]) is not type(self.keys[0]):
                 raise UsageError("appended block keys must have the same type as the sequence's")
-            if self.tokens is not None:
+            if self.tail is not None:
                 raise UsageError("this sequence was opened with tokens; append tokens")
             self._append_keys(keys)
             return
-        if self.tokens is None:
+        if self.tail is None:
             raise UsageError("this sequence was opened with block_keys; append block_keys")
-        new = check_tokens(tokens)                 # raises before anything changes
+        new = token_array(tokens)                  # raises before anything changes
         tpb = self.store.cfg.tokens_per_block
-        done = len(self.keys)
+        pending = np.concatenate([self.tail, new])
         parent = self.keys[-1] if self.keys else b""
-        keys = hash_blocks(self.tokens[done * tpb:] + new, tpb, self.store.cfg.hash_salt, parent)
+        keys = hash_blocks(pending, tpb, self.store.cfg.hash_salt, parent)
         self._append_keys(keys)
-        self.tokens.extend(new)
+        self.tail = pending[len(keys) * tpb:].copy()
+        self.num_tokens += len(new)
 
     def _append_keys(self, keys: list[BlockKey]) -> None:
         try:

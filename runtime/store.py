@@ -32,7 +32,7 @@ from tiers.streams import CudaEvent
 from .core import Core, CoreError, Pages
 from .handles import ClaimTable, EventTable
 from .views import IndexView
-from .keys import BlockKey, check_block_keys, check_tokens, hash_blocks
+from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .migration import ANONYMOUS_KEY, Batch, MigrationEngine
 from .pages import DISK, GPU, TIER_NAMES
 from .readiness import wait_events
@@ -41,6 +41,7 @@ from .recovery import index_recovered, persist
 from .sequence import Sequence
 
 log = logging.getLogger("kvtier")
+HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a millisecond per 64 Ki tokens)
 
 _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, ReusePolicy.OPTIONAL: 2,
                ReusePolicy.PRIVATE: 3}
@@ -75,6 +76,8 @@ class Store:
         for lc in self.lcs:
             g = self.group_of[GPU][lc.index]
             self.lcs_per_gpu_group[g] = self.lcs_per_gpu_group.get(g, 0) + 1
+        self.max_extend = 0                         # the most blocks one extend can place (set at start)
+        self.gpu_reclaimers: list[tuple[int, Reclaimer]] = []
         self.events = EventTable()
         self.claims = ClaimTable()
         self._tasks: set[asyncio.Task] = set()
@@ -122,6 +125,8 @@ class Store:
                 if low > 0:
                     r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low)
                     r.start()
+                    if t == GPU:
+                        self.gpu_reclaimers.append((self.lcs_per_gpu_group.get(g, 0), r))
 
     def _build(self) -> None:
         """Allocate slabs and open the disk tier (blocking: run off the loop)."""
@@ -145,6 +150,7 @@ class Store:
         lcs = [(lc.kind == "ssm", lc.window_tokens or 0, lc.sink_tokens, _REUSE_CODE[lc.reuse]) for lc in self.lcs]
         group_of = [[g if capacity[t] else -1 for g in row] for t, row in enumerate(self.group_of)]
         self.core = Core(self.tpb, lcs, group_of, capacity)
+        self.max_extend = min(capacity[GPU][g] // k for g, k in self.lcs_per_gpu_group.items())
         self.engine = MigrationEngine(self.device, self.lcs, gpu, host, self.disk, cold_bytes)
 
     async def close(self) -> None:
@@ -219,15 +225,28 @@ class Store:
         if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
             raise UsageError(f"priority must be an integer in 0..100, got {priority!r}")
         if tokens is not None:
-            token_list = check_tokens(tokens)
-            keys = hash_blocks(token_list, self.tpb, self.cfg.hash_salt)
-        else:
-            token_list, keys = None, check_block_keys(block_keys)
-        try:
+            token_arr = await token_array_async(tokens)
+            if len(token_arr) <= HASH_ON_LOOP_TOKENS:
+                keys = hash_blocks(token_arr, self.tpb, self.cfg.hash_salt)
+            else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
+                keys = await asyncio.get_running_loop().run_in_executor(
+                    None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
+            self._check()                   # the store may have closed meanwhile
             sid, matched, by_tier = self.core.open(keys, priority)
-        except (ValueError, TypeError) as exc:      # a key the core cannot hold: nothing changed
-            raise UsageError(str(exc)) from None
-        seq = Sequence(self, sid, keys, token_list, priority)
+        else:
+            token_arr = None
+            keys = list(block_keys) if isinstance(block_keys, (list, tuple)) else check_block_keys(block_keys)
+            try:
+                sid, matched, by_tier = self.core.open(keys, priority)     # checks ints and bytes in C++
+            except (ValueError, TypeError):
+                # numpy ints, bools, mixed kinds...: the Python check names the problem or
+                # normalises the keys (nothing changed in the core)
+                keys = check_block_keys(block_keys)
+                try:
+                    sid, matched, by_tier = self.core.open(keys, priority)
+                except (ValueError, TypeError) as exc:
+                    raise UsageError(str(exc)) from None
+        seq = Sequence(self, sid, keys, token_arr, priority)
         seq.matched_blocks = matched
         seq.matched_by_tier = dict(zip(TIER_NAMES, by_tier))
         return seq
@@ -276,16 +295,12 @@ class Store:
         """The common case, without a task: every GPU group has the free
         slots. Returns the fences to wait for, or None to take the slow path."""
         self._check()
-        counts = self._extend_counts(n)
-        core = self.core
-        for g, c in counts.items():
-            reclaimer = self.reclaimers.get((GPU, g))
-            if reclaimer is not None:
-                reclaimer.kick_after(c)
-        if any(core.free(GPU, g) < c for g, c in counts.items()):
-            return None
-        slots = {g: core.allocate(GPU, g, c) for g, c in counts.items()}
-        return self.events.all(core.place_extension(seq.sid, n, slots))
+        if n > self.max_extend:
+            self._extend_counts(n)              # raises, naming the group
+        fences = self.core.extend_now(seq.sid, n)
+        for per_block, reclaimer in self.gpu_reclaimers:    # wake below the reserve (counting what is still needed)
+            reclaimer.kick_after(0 if fences is not None else n * per_block)
+        return fences and self.events.all(fences)
 
     async def _extend(self, seq: Sequence, n: int) -> int:
         self._check()

@@ -136,7 +136,7 @@ class StoreMachine(RuleBasedStateMachine):
         """One generated block: append its tokens, extend, write, commit (the decode loop's step)."""
         seq = data.draw(st.sampled_from([s for s in self.seqs
                                          if s.acquired and s.committed == s.num_blocks == len(s.keys) < MAX_BLOCKS + 2]))
-        seq.append(tokens=[t + 7 for t in seq.tokens[-TPB:]])
+        seq.append(tokens=[seq.num_tokens * 7 + i for i in range(TPB)])
         start = seq.num_blocks
         try:
             self.run(seq.extend(1))

@@ -77,7 +77,10 @@ std::vector<Key> to_keys(nb::handle seq) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
   PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
   std::vector<Key> out(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) out[size_t(i)] = to_key(items[i]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[size_t(i)] = to_key(items[i]);
+    if (i && (out[size_t(i)].tag == 0) != (out[0].tag == 0)) throw nb::value_error("block_keys mixes int and bytes keys");
+  }
   return out;
 }
 
@@ -182,6 +185,11 @@ NB_MODULE(_core, m) {
       .def("place_extension", [](Core& c, int32_t s, int32_t n, nb::handle slots) {
              auto v = slots_by_group(c, kvtier::GPU, slots);
              return c.place_extension(s, n, v);
+           })
+      .def("extend_now", [](Core& c, int32_t s, int32_t n) -> nb::object {
+             Ids fences;
+             if (!c.extend_now(s, n, fences)) return nb::none();
+             return nb::cast(fences);
            })
       .def("undo_extend", &Core::undo_extend)
       .def("acquire_now", &Core::acquire_now)

@@ -353,6 +353,19 @@ Ids Core::place_extension(int32_t s, int32_t n, std::vector<Ids>& slots) {
   return fences;
 }
 
+bool Core::extend_now(int32_t s, int32_t n, Ids& fences) {
+  live_seq(s);
+  std::vector<int32_t> need(allocs_[GPU].size(), 0);
+  for (int lc = 0; lc < n_lcs(); ++lc) need[group_of_[GPU][lc]] += n;
+  for (size_t g = 0; g < need.size(); ++g)
+    if (need[g] > allocs_[GPU][g].free()) return false;
+  std::vector<Ids> slots(need.size());
+  for (size_t g = 0; g < need.size(); ++g)
+    if (need[g]) allocs_[GPU][g].allocate(need[g], slots[g]);
+  fences = place_extension(s, n, slots);
+  return true;
+}
+
 void Core::undo_extend(int32_t s, int32_t n) {
   Seq& q = live_seq(s);
   int nl = n_lcs();

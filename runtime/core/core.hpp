@@ -111,6 +111,10 @@ class Core {
   // Extension: `slots[g]` holds the new pages' slots of GPU group g (popped from
   // the back, as the Python model does). Returns the slots' fences.
   Ids place_extension(int32_t s, int32_t n, std::vector<Ids>& slots);
+  // The common case in one call: every GPU group has the free slots for n
+  // more blocks. Allocates and places them and returns their fences; false
+  // (nothing changed) if some group is short.
+  bool extend_now(int32_t s, int32_t n, Ids& fences);
   void undo_extend(int32_t s, int32_t n);
 
   bool acquire_now(int32_t s);
