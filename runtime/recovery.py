@@ -44,8 +44,11 @@ async def persist(store: "Store") -> None:
     await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
 
+RECOVER_CHUNK = 16384       # records handed to the core per call (each call holds the GIL)
+
+
 def _columns(recovered) -> tuple:
-    """The disk tier's recovered pages as the columns the core takes."""
+    """Recovered pages as the columns the core takes."""
     keys, parents, depth, lc, group, slot, priority, gen = [], [], [], [], [], [], [], []
     for rp in recovered:
         rec = rp.record
@@ -67,7 +70,10 @@ async def index_recovered(store: "Store") -> None:
     disk, core = store.disk, store.core
 
     def rebuild():
-        return core.recover(*_columns(disk.recovered))
+        recovered = disk.recovered
+        for i in range(0, len(recovered), RECOVER_CHUNK):     # the loop gets the GIL between chunks
+            core.recover_add(*_columns(recovered[i:i + RECOVER_CHUNK]))
+        return core.recover()
     forget = await asyncio.get_running_loop().run_in_executor(None, rebuild)
     for g, slots in enumerate(forget):
         if slots:

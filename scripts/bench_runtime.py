@@ -7,7 +7,12 @@ only its bookkeeping (a Python record per block, no bytes, no awaits), and
 the movement floor, the blocks/s the same page moves would allow at the raw
 copy and page-cache I/O speeds measured in this run (bookkeeping aside).
 
-    python scripts/bench_runtime.py [--trace PATH] [--limit N] [--json]
+Then the native core's rows (runtime.tools.bench_core): GPU-only replays,
+three tiers with fsync on, metadata bytes per indexed page, the loop held by
+one 4096-block request, concurrency 32 against 1, and reopening a disk tier
+of a million pages (``--no-core`` skips them, ``--quick`` shrinks them).
+
+    python scripts/bench_runtime.py [--trace PATH] [--limit N] [--quick] [--no-core] [--json]
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import sys
 import tempfile
 
 from runtime.tools.bench import bench_replay, default_trace
+from runtime.tools.bench_core import control_plane_rows
+from runtime.tools.trace import read_trace
 from runtime.tools.cli import tune_gc
 from runtime.loop import run
 from tiers.errors import KvtierError
@@ -28,16 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default=default_trace())
     p.add_argument("--limit", type=int)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smaller core rows (100k-page reopen, 128 Ki pages)")
+    p.add_argument("--no-core", action="store_true", help="only the three-tier replay")
     args = p.parse_args(argv)
     tune_gc()
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-runtime-") as tmp:
         try:
             row = run(bench_replay(args.trace, args.limit, tmp))
+            core_rows = [] if args.no_core else run(control_plane_rows(
+                read_trace(args.trace, args.limit)[0], tempfile.mkdtemp(dir=tmp), quick=args.quick))
         except KvtierError as exc:
             print(f"bench_runtime: {exc}", file=sys.stderr)
             return 2
     if args.json:
-        print(json.dumps(row, indent=2))
+        print(json.dumps({"replay": row, "core": core_rows}, indent=2))
     else:
         print(f"trace      {os.path.basename(args.trace)}")
         print(f"store      {row['value']:>12,} blocks/s   hit rate {row['hit_rate']:.2%}")
@@ -52,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"floor      {row['movement_floor']:>12,} blocks/s   the same page moves at raw copy and "
                   f"page-cache I/O speed, no bookkeeping")
             print(f"           {row['floor_ratio']:.4f}  (floor / bare)   {row['ratio_to_floor']:.3f}  (store / floor)")
+        for r in core_rows:
+            ratio = "" if r["ratio"] is None else f"ratio {r['ratio']:.4g} to {r['baseline']:,} ({r['baseline_is']})"
+            extra = r["baseline_is"] if r["ratio"] is None else ratio
+            print(f"{r['bench']:<62} {r['value']:>12,} {r['unit']:<9} {extra}")
     return 0
 
 

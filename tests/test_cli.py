@@ -70,6 +70,15 @@ def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
         assert abs(row["ratio"] - row["value"] / row["baseline"]) < 0.01
     assert any(n.startswith("loop lag") for n in names)
     replay, lean, floor = [r for r in out["rows"] if r["bench"].startswith("replay")]
+    core = {r["bench"].split(" (")[0]: r for r in out["rows"] if r["bench"].startswith("core: ")}
+    for name in ("core: GPU-only replay, nothing evicted", "core: GPU-only replay, 4096 blocks",
+                 "core: three-tier replay 4096/16384/65536, fsync on", "core: three-tier replay at concurrency 32"):
+        row = core[name]
+        assert row["value"] > 0 and row["baseline"] > 0 and abs(row["ratio"] - row["value"] / row["baseline"]) < 0.01
+    meta = next(r for n, r in core.items() if n.startswith("core: metadata per indexed page"))
+    assert 0 < meta["value"] < 1000
+    assert core["core: loop held by one 4096-block request"]["value"] > 0
+    assert next(r for n, r in core.items() if n.startswith("core: reopen a disk tier"))["value"] > 0
     # both bounds do part of the store's work and nothing more: faster than it, and all measured now
     assert 0 < replay["value"] < floor["value"] and replay["baseline"] == floor["baseline"] > 0
     assert replay["value"] < lean["value"] and lean["baseline"] == replay["baseline"]

@@ -25,6 +25,8 @@ using kvtier::Key;
 
 namespace {
 
+constexpr bool kLittleEndian = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
+
 struct Pages {
   Ids ids;
 };
@@ -127,15 +129,19 @@ NB_MODULE(_core, m) {
         size_t n_tokens = tokens.size() / 8;
         size_t n_blocks = n_tokens / tokens_per_block;
         std::string out(n_blocks * 16, '\0');
-        std::vector<int64_t> toks(n_tokens);
         const unsigned char* raw = reinterpret_cast<const unsigned char*>(tokens.c_str());
-        for (size_t i = 0; i < n_tokens; ++i) {      // little-endian on any host
-          uint64_t v = 0;
-          for (int b = 7; b >= 0; --b) v = (v << 8) | raw[8 * i + size_t(b)];
-          toks[i] = int64_t(v);
-        }
         {
-          nb::gil_scoped_release nogil;
+          nb::gil_scoped_release nogil;       // the bytes objects stay alive: the caller holds them
+          std::vector<int64_t> toks(n_tokens);
+          if constexpr (kLittleEndian) {
+            if (n_tokens) std::memcpy(toks.data(), raw, n_tokens * 8);
+          } else {
+            for (size_t i = 0; i < n_tokens; ++i) {
+              uint64_t v = 0;
+              for (int b = 7; b >= 0; --b) v = (v << 8) | raw[8 * i + size_t(b)];
+              toks[i] = int64_t(v);
+            }
+          }
           kvtier::chain_block_keys(toks.data(), n_tokens, tokens_per_block,
                                    reinterpret_cast<const uint8_t*>(salt.c_str()), salt.size(),
                                    reinterpret_cast<const uint8_t*>(parent.c_str()), parent.size(),
@@ -309,18 +315,20 @@ NB_MODULE(_core, m) {
              return out;
            })
       .def("still_persistable", [](const Core& c, const Pages& p) { return Pages{c.still_persistable(p.ids)}; })
-      .def("recover", [](Core& c, nb::handle keys, nb::handle parents, const std::vector<int32_t>& depth,
-                         const std::vector<int32_t>& lc, const std::vector<int32_t>& group,
-                         const std::vector<int32_t>& slot, const std::vector<int32_t>& priority,
-                         const std::vector<int64_t>& generation) {
+      .def("recover_add", [](Core& c, nb::handle keys, nb::handle parents, const std::vector<int32_t>& depth,
+                             const std::vector<int32_t>& lc, const std::vector<int32_t>& group,
+                             const std::vector<int32_t>& slot, const std::vector<int32_t>& priority,
+                             const std::vector<int64_t>& generation) {
+             // one chunk of recovered records (columns); recover() then rebuilds from all of them
              nb::list k = nb::cast<nb::list>(keys), pa = nb::cast<nb::list>(parents);
              size_t n = k.size();
              if (pa.size() != n || depth.size() != n || lc.size() != n || group.size() != n || slot.size() != n ||
                  priority.size() != n || generation.size() != n)
-               throw nb::value_error("recover: columns of different lengths");
-             std::vector<kvtier::RecoveredRecord> recs(n);
+               throw nb::value_error("recover_add: columns of different lengths");
+             auto& recs = c.pending_records();
+             recs.reserve(recs.size() + n);
              for (size_t i = 0; i < n; ++i) {
-               kvtier::RecoveredRecord& r = recs[i];
+               kvtier::RecoveredRecord r{};
                nb::handle key = k[i], parent = pa[i];
                r.anonymous = key.is_none() || (PyBytes_Check(key.ptr()) && PyBytes_GET_SIZE(key.ptr()) == 0);
                bool bad = false;
@@ -337,12 +345,18 @@ NB_MODULE(_core, m) {
                r.slot = slot[i];
                r.priority = priority[i];
                r.generation = generation[i];
+               recs.push_back(r);
              }
+           })
+      .def("recover", [](Core& c) {
+             // slots to forget on disk, per group; the GIL is released while the index is rebuilt
              std::vector<Ids> forget;
              {
                nb::gil_scoped_release nogil;
-               forget = c.recover(recs);
+               forget = c.recover(c.pending_records());
              }
+             c.pending_records().clear();
+             c.pending_records().shrink_to_fit();
              return forget;
            })
       // -- drains

@@ -176,6 +176,7 @@ class Core {
   // Rebuild the index from recovered records; returns slots to forget per group
   // (not recoverable or unreachable). Counters: recovered, orphaned, discarded.
   std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
+  std::vector<RecoveredRecord>& pending_records() { return pending_records_; }   // filled in chunks by the bindings
 
   // -- drains -----------------------------------------------------------------------
   std::vector<std::pair<int32_t, Ids>> take_disk_frees();
@@ -254,6 +255,7 @@ class Core {
   std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
   Ids relabels_;                                       // pages to relabel (filtered at take)
   mutable std::vector<int32_t> scratch_;
+  std::vector<RecoveredRecord> pending_records_;
 };
 
 }  // namespace kvtier

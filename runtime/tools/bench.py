@@ -263,7 +263,8 @@ def default_trace() -> str:
 
 
 def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
-              directory: str | None = None) -> dict:
+              directory: str | None = None, core: bool = True) -> dict:
+    """Every row; ``core``: also the control-plane rows of ``bench_core``."""
     from ..loop import run
     sizes = [(256 << 10, 256)] if quick else [(64 << 10, 2048), (256 << 10, 1024), (2 << 20, 256)]
     rows: list[dict] = []
@@ -280,6 +281,10 @@ def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
             rows.append({"bench": "replay movement floor (its page moves at raw copy and page-cache speed)",
                          "value": replayed["movement_floor"], "unit": "blocks/s", "baseline": replayed["baseline"],
                          "baseline_is": "bare LRU prefix cache", "ratio": replayed["floor_ratio"]})
+        if core:
+            from .bench_core import control_plane_rows
+            requests, _ = read_trace(trace or default_trace(), 2000 if quick else None)
+            rows += run(control_plane_rows(requests, tempfile.mkdtemp(dir=tmp), quick=quick))
     return {"device": "cuda" if torch.cuda.is_available() else "cpu (emulated gpu)", "rows": rows}
 
 

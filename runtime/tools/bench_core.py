@@ -1,0 +1,205 @@
+"""Control-plane benchmarks of the native core, each a ratio against a
+reference measured in the same run (never a timed test):
+
+- replays of a trace metadata-first through GPU-only stores (nothing
+  evicted; 4096 blocks, evicting) and through three tiers with fsync on, in
+  blocks/s against the bare LRU prefix cache of the same total capacity;
+- metadata bytes per indexed page: process RSS growth over a million
+  committed pages (page bytes excluded: the slab is allocated at open);
+- how long one 4096-block request holds the event loop, fresh and cached;
+- replay throughput at concurrency 32 against concurrency 1, with loop lag;
+- reopening a disk tier of many pages: seconds, and the longest loop stall.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from typing import Sequence
+
+from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.layers import LayerSpec
+
+from ..lag import LoopLagMonitor
+from ..store import Store
+from .oracle import LruPrefixCache
+from .replay import replay
+from .trace import TraceRequest
+
+PAGE = (("k", 2048), ("v", 2048))       # 4 KiB pages, as the issue's three-tier row
+
+
+def _config(tiers: Sequence[int], directory: str | None, fsync: bool = False, page=PAGE,
+            tpb: int = 512) -> StoreConfig:
+    g = tiers[0]
+    h = tiers[1] if len(tiers) > 1 else None
+    d = tiers[2] if len(tiers) > 2 else None
+    return StoreConfig(layers=[LayerSpec(0, page)], tokens_per_block=tpb,
+                       gpu=GpuConfig(slots=g, device="auto"),
+                       host=HostConfig(slots=h) if h else None,
+                       disk=DiskConfig(path=directory, slots=d, fsync=fsync) if d else None,
+                       persist_on_close=False)
+
+
+def _bare(requests: Sequence[TraceRequest], capacity: int, rounds: int = 3) -> float:
+    """Best blocks/s of a few fresh bare-LRU replays of ``requests``."""
+    blocks = sum(len(r.hash_ids) for r in requests)
+    best = 0.0
+    for _ in range(rounds):
+        lru = LruPrefixCache(capacity)
+        t0 = time.perf_counter()
+        for r in requests:
+            try:
+                lru.request(r.hash_ids)
+            except ValueError:
+                pass
+        best = max(best, blocks / (time.perf_counter() - t0))
+    return best
+
+
+async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str,
+                     fsync: bool = False, concurrency: int = 1) -> dict:
+    """The store against the bare LRU of the same total capacity."""
+    bare = _bare(requests, sum(tiers))
+    async with Store.open(_config(tiers, directory, fsync)) as store:
+        res = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
+    ours = res.blocks / res.seconds
+    return {"bench": name, "value": round(ours), "unit": "blocks/s", "baseline": round(bare),
+            "baseline_is": "bare LRU prefix cache", "ratio": round(ours / bare, 4),
+            "hit_rate": round(res.hit_blocks / max(1, res.blocks), 4), "loop_lag_ms": res.loop_lag_ms,
+            "errors": dict(res.errors)}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def metadata_row(n_pages: int = 1 << 20, per_request: int = 512) -> dict:
+    """RSS growth per committed, indexed page (one life cycle, GPU tier
+    large enough that nothing is evicted; 16-byte pages so the slab is small
+    and allocated before the first reading)."""
+    cfg = _config((n_pages,), None, page=(("k", 8), ("v", 8)))
+    async with Store.open(cfg) as store:
+        await _requests(store, 0, per_request, per_request)        # warm up allocators and code paths
+        before = _rss()
+        done = per_request
+        while done < n_pages:
+            n = min(per_request, n_pages - done)
+            await _requests(store, done, n, per_request)
+            done += n
+        after = _rss()
+        pages = store.stats()["core"]["live_pages"]
+    per = (after - before) / max(1, pages - per_request)
+    return {"bench": f"core: metadata per indexed page ({pages:,} pages)", "value": round(per, 1), "unit": "B",
+            "baseline": None, "baseline_is": "", "ratio": None}
+
+
+async def _requests(store: Store, first_key: int, n_blocks: int, per_request: int) -> None:
+    keys = list(range(first_key + 1, first_key + n_blocks + 1))
+    seq = await store.open_sequence(block_keys=keys)
+    await seq.extend(len(keys))
+    seq.commit(len(keys))
+    await seq.close()
+
+
+async def loop_hold_rows(n_blocks: int = 4096, tpb: int = 32, rounds: int = 5) -> list[dict]:
+    """The longest loop stall while one request of ``n_blocks`` blocks
+    (tokens, so hashing counts) runs: fresh (every block extended) and
+    cached (every block a GPU hit). A 1 ms ticker measures it."""
+    cfg = _config((2 * n_blocks,), None, page=(("k", 64), ("v", 64)), tpb=tpb)
+    out = []
+    async with Store.open(cfg) as store:
+        for label, cached in (("fresh", False), ("gpu-cached", True)):
+            worst = 0.0
+            for r in range(rounds):
+                tokens = list(range(r * n_blocks * tpb, (r + 1) * n_blocks * tpb))
+                if cached:
+                    await _token_request(store, tokens)
+                await asyncio.sleep(0.01)
+                lag = LoopLagMonitor(0.001).start()
+                await _token_request(store, tokens)
+                await lag.stop()
+                worst = max(worst, lag.percentiles_ms()["max"])
+                if not cached:      # make room for the next round
+                    await _evict_all(store)
+            out.append({"bench": f"core: loop held by one {n_blocks}-block request ({label}, max of {rounds})",
+                        "value": round(worst, 2), "unit": "ms", "baseline": None, "baseline_is": "", "ratio": None})
+            await _evict_all(store)
+    return out
+
+
+async def _token_request(store: Store, tokens: list[int]) -> None:
+    seq = await store.open_sequence(tokens=tokens)
+    await seq.acquire()
+    await seq.extend(len(seq.keys) - seq.num_blocks)
+    seq.commit(len(seq.keys))
+    await seq.release()
+    await seq.close()
+
+
+async def _evict_all(store: Store) -> None:
+    """Drop every page of a GPU-only store (its queue's victims, dropped)."""
+    core = store.core
+    n = core.queue_len(0, 0)
+    if n:
+        victims = store._pick_victims(0, 0, n)
+        core.release_slots(0, 0, await store._evict(0, victims), 0)
+
+
+async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str) -> list[dict]:
+    """Replay throughput at concurrency 32 against concurrency 1 (three
+    tiers), and the loop lag p99 at 32."""
+    rows = []
+    res = {}
+    for c in (1, 32):
+        sub = tempfile.mkdtemp(dir=directory)
+        async with Store.open(_config(tiers, sub)) as store:
+            r = await replay(store, requests, content=False, verify=False, concurrency=c)
+        res[c] = r
+    one, many = (res[c].blocks / res[c].seconds for c in (1, 32))
+    rows.append({"bench": "core: three-tier replay at concurrency 32", "value": round(many), "unit": "blocks/s",
+                 "baseline": round(one), "baseline_is": "the same replay at concurrency 1",
+                 "ratio": round(many / one, 3)})
+    lag = res[32].loop_lag_ms
+    rows.append({"bench": "core: loop lag p99 at concurrency 32", "value": lag.get("p99"), "unit": "ms",
+                 "baseline": None, "baseline_is": f"max {lag.get('max')} ms", "ratio": None})
+    return rows
+
+
+async def reopen_row(directory: str, n_pages: int) -> dict:
+    """Fill a disk tier with ``n_pages`` committed pages, close, and time
+    reopening it (index rebuilt from the journal) with a ticker watching
+    the loop."""
+    page = (("k", 8), ("v", 8))
+    gpu = 8192
+    cfg = StoreConfig(layers=[LayerSpec(0, page)], tokens_per_block=16, gpu=GpuConfig(slots=gpu, device="auto"),
+                      disk=DiskConfig(path=directory, slots=n_pages + gpu, fsync=False), persist_on_close=True)
+    async with Store.open(cfg) as store:
+        per = gpu // 2
+        for first in range(0, n_pages, per):
+            await _requests(store, first, min(per, n_pages - first), per)
+    lag = LoopLagMonitor(0.001).start()
+    t0 = time.perf_counter()
+    async with Store.open(cfg) as store:
+        secs = time.perf_counter() - t0
+        await lag.stop()
+        recovered = store.stats()["recovered_pages"]
+    return {"bench": f"core: reopen a disk tier of {recovered:,} pages", "value": round(secs, 3), "unit": "s",
+            "baseline": None, "baseline_is": f"loop stalled at most {lag.percentiles_ms()['max']} ms",
+            "ratio": None, "loop_max_ms": lag.percentiles_ms()["max"], "recovered": recovered}
+
+
+async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, quick: bool = False) -> list[dict]:
+    rows = [
+        await replay_row("core: GPU-only replay, nothing evicted", requests, (400_000,), directory),
+        await replay_row("core: GPU-only replay, 4096 blocks (evicting)", requests, (4096,), directory),
+        await replay_row("core: three-tier replay 4096/16384/65536, fsync on", requests, (4096, 16384, 65536),
+                         tempfile.mkdtemp(dir=directory), fsync=True),
+        await metadata_row(1 << 17 if quick else 1 << 20),
+    ]
+    rows += await loop_hold_rows(rounds=2 if quick else 5)
+    rows += await concurrency_rows(requests, (4096, 16384, 65536), directory)
+    rows.append(await reopen_row(tempfile.mkdtemp(dir=directory), 100_000 if quick else 1_000_000))
+    return rows
