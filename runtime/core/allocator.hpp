@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cassert>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <stdexcept>

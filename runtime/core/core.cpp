@@ -60,7 +60,10 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
     if (lc.limits_match()) limiting_lcs_.push_back(int(i));
   }
   shares_nothing_ = all_private;
+  // Every page owns a slot, and every indexed block a page: room for them all up front, so the
+  // tables never reallocate (a doubling copy would leave the old copy in the heap).
   pt_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
+  index_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
 }
 
 Seq& Core::live_seq(int32_t s) {
@@ -848,7 +851,7 @@ Ids Core::end_claims(const Ids& pages, Ids& live) {
 void Core::relabel_later(const Ids& pages) {
   for (int32_t id : pages) {
     Page& p = pt_[id];
-    if (p.in_use && p.relabel) {
+    if (p.in_use() && p.relabel) {
       p.relabel = false;
       relabels_.push_back(id);
     }
@@ -958,7 +961,7 @@ Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
   Ids depths;
   for (int32_t id : batch) {
     Page& p = pt_[id];
-    if (!p.in_use || p.dead || p.tier != DISK) continue;
+    if (!p.in_use() || p.dead || p.tier != DISK) continue;
     if (std::find(bad_slots.begin(), bad_slots.end(), p.slot) == bad_slots.end()) continue;
     ++counters_.discarded;
     depths.push_back(p.block >= 0 ? index_.blocks[p.block].depth : -1);
@@ -993,7 +996,7 @@ Ids Core::still_persistable(const Ids& pages) const {
   Ids out;
   for (int32_t id : pages) {
     const Page& p = pt_[id];
-    if (p.in_use && !p.dead && !p.claim && p.tier != DISK) out.push_back(id);
+    if (p.in_use() && !p.dead && !p.claim && p.tier != DISK) out.push_back(id);
   }
   return out;
 }
@@ -1101,7 +1104,7 @@ Ids Core::tier_pages(int tier, int group) const {
 }
 
 void Core::drop_page(int32_t id) {
-  require(id >= 0 && size_t(id) < pt_.pages.size() && pt_[id].in_use && !pt_[id].dead && pt_[id].published &&
+  require(id >= 0 && size_t(id) < pt_.pages.size() && pt_[id].in_use() && !pt_[id].dead && pt_[id].published &&
               !pt_[id].claim,
           "drop_page: not a live, published, unclaimed page");
   drop(id);
@@ -1123,7 +1126,7 @@ std::vector<std::pair<int32_t, Ids>> Core::take_relabels() {
   std::vector<std::pair<int32_t, Ids>> out;
   for (int32_t id : relabels_) {
     const Page& p = pt_[id];
-    if (!p.in_use || p.dead || p.tier != DISK || !p.published) continue;
+    if (!p.in_use() || p.dead || p.tier != DISK || !p.published) continue;
     auto it = std::find_if(out.begin(), out.end(), [&](auto& e) { return e.first == p.group; });
     if (it == out.end()) out.push_back({p.group, Ids{id}}); else it->second.push_back(id);
   }
@@ -1171,7 +1174,7 @@ void Core::check() const {
         if (id < 0) continue;
         ++used;
         const Page& p = pt_[id];
-        require(p.in_use && !p.dead, "a dead page owns a slot");
+        require(p.in_use() && !p.dead, "a dead page owns a slot");
         require(!a.is_free(s), "a slot is owned and free");
         require(p.tier == t && p.group == int(g) && p.slot == s, "a page is misfiled");
         require((p.queued != NOT_QUEUED) == evictable(p), "queue membership differs from evictability");
@@ -1191,7 +1194,7 @@ void Core::check() const {
       int32_t id = index_.page(int32_t(b), lc);
       if (id < 0) continue;
       const Page& p = pt_[id];
-      require(p.in_use && p.published && !p.dead, "an index page is unpublished or dead");
+      require(p.in_use() && p.published && !p.dead, "an index page is unpublished or dead");
       require(owners_[p.tier][p.group][p.slot] == id, "an index page does not own its slot");
     }
   }

@@ -20,6 +20,7 @@
 // - each sequence row cell that names a page counts once in its holders.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cassert>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -19,17 +20,19 @@
 
 namespace kvtier {
 
+// 40 bytes.
 struct Block {
   Key key{};
+  bool indexed = false;
+  bool has_key = false;         // a block extended before its tokens were known has none yet
+  bool in_use = false;
   int32_t parent = -1;
   int32_t first_child = -1;     // newest child first
   int32_t next_sibling = -1;
   int32_t depth = 0;            // index of the block in its sequence
   int32_t refs = 0;
-  bool indexed = false;
-  bool has_key = false;         // a block extended before its tokens were known has none yet
-  bool in_use = false;
 };
+static_assert(sizeof(Block) == 40, "the block record grew");
 
 class BlockIndex {
  public:
@@ -88,7 +91,7 @@ class BlockIndex {
     assert(!x.indexed && x.has_key && find(x.key) < 0);
     x.indexed = true;
     ++x.refs;
-    if ((count_ + 1) * 2 > table_.size()) rehash(table_.size() * 2);
+    if ((count_ + 1) * 4 > table_.size() * 3) rehash(table_.size() * 2);
     size_t mask = table_.size() - 1;
     size_t i = x.key.hash() & mask;
     while (table_[i] >= 0) i = (i + 1) & mask;
@@ -146,6 +149,12 @@ class BlockIndex {
 
   size_t table_bytes() const { return table_.capacity() * sizeof(int32_t); }
 
+  // Room for n blocks without reallocating (address space only: pages are touched as used).
+  void reserve(size_t n) {
+    blocks.reserve(n);
+    pages.reserve(n * size_t(n_lcs_));
+  }
+
  private:
   void rehash(size_t n) {
     std::vector<int32_t> old;
@@ -161,7 +170,7 @@ class BlockIndex {
   }
 
   int n_lcs_;
-  std::vector<int32_t> table_;   // open addressing, linear probing; -1 empty; load <= 1/2
+  std::vector<int32_t> table_;   // open addressing, linear probing; -1 empty; load <= 3/4
   size_t count_ = 0;
   std::vector<int32_t> free_;
 };

@@ -9,6 +9,7 @@
 // reads back: both spellings meet in one block.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 

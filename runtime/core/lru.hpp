@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -106,7 +107,7 @@ class LruQueue {
   // elsewhere with the same stamp): valid only if still LATE here, unchanged.
   bool valid(const PageTable& t, const std::pair<int64_t, int32_t>& e, int prio) const {
     const Page& p = t[e.second];
-    return p.in_use && p.queued == LATE && p.stamp == e.first && p.tier == tier_ && p.group == group_ &&
+    return p.in_use() && p.queued == LATE && p.stamp == e.first && p.tier == tier_ && p.group == group_ &&
            p.priority == prio;
   }
 

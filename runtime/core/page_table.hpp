@@ -6,6 +6,7 @@
 // hold bare ids across awaits.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -16,6 +17,7 @@ constexpr int kTiers = 3;
 
 enum Queued : uint8_t { NOT_QUEUED = 0, IN_ORDER = 1, LATE = 2 };
 
+// 40 bytes: the page table is most of the core's memory per page.
 struct Page {
   int64_t stamp = 0;        // recency: a rising clock, larger = more recent
   int32_t block = -1;       // the block it belongs to (-1: none)
@@ -27,16 +29,17 @@ struct Page {
   uint16_t locks = 0;       // active sequences that need it on the GPU (LOCKED)
   uint16_t holders = 0;     // sequence rows that refer to it (HELD)
   uint8_t lc = 0;
-  int8_t tier = NO_TIER;
   uint8_t group = 0;
   uint8_t priority = 0;
-  uint8_t queued = NOT_QUEUED;
+  int8_t tier : 3;          // GPU, HOST, DISK; NO_TIER while the id is on the free list
+  uint8_t queued : 2;       // NOT_QUEUED, IN_ORDER, LATE
   bool published : 1;       // indexed for reuse
   bool dead : 1;            // left the store; its slot is freed once no claim holds it
   bool relabel : 1;         // published while claimed: relabel its journal record if it ends on disk
-  bool in_use : 1;          // the id is allocated (not on the free list)
-  Page() : published(false), dead(false), relabel(false), in_use(false) {}
+  Page() : tier(NO_TIER), queued(NOT_QUEUED), published(false), dead(false), relabel(false) {}
+  bool in_use() const { return tier != NO_TIER; }
 };
+static_assert(sizeof(Page) == 40, "the page record grew");
 
 class PageTable {
  public:
@@ -52,7 +55,6 @@ class PageTable {
       id = int32_t(pages.size());
       pages.emplace_back();
     }
-    pages[id].in_use = true;
     ++live_;
     return id;
   }
@@ -60,11 +62,11 @@ class PageTable {
   // Invariant: only a dead page with no holders, locks or claim is recycled.
   bool recyclable(int32_t id) const {
     const Page& p = pages[id];
-    return p.in_use && p.dead && p.holders == 0 && p.locks == 0 && p.claim == 0;
+    return p.in_use() && p.dead && p.holders == 0 && p.locks == 0 && p.claim == 0;
   }
 
   void recycle(int32_t id) {
-    pages[id].in_use = false;
+    pages[id].tier = NO_TIER;
     free_.push_back(id);
     --live_;
   }
