@@ -176,8 +176,13 @@ async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency:
 
     try:
         if concurrency <= 1 and not honor_timestamps:
-            for req in requests:
-                await one(req)
+            for req in requests:                # one at a time: nothing to wait for on OutOfPagesError
+                try:
+                    await serve(req, first=True)
+                except OutOfPagesError:
+                    res.errors["OutOfPagesError"] += 1
+                if progress is not None:
+                    progress(1)
         else:
             tasks = []
             base = requests[0].timestamp if requests else 0.0

@@ -1,0 +1,97 @@
+"""The native core's slot allocators (all-or-nothing, ready slots first,
+fences as event ids) and SlabPool views."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.core import Core
+from tiers.device import Device
+from tiers.grouping import DISK, GPU, HOST, PoolGroupSpec
+from tiers.policy import ReusePolicy
+from tiers.pools import SlabPool
+
+
+G = 0                   # the core numbers tiers: 0 is the GPU
+
+
+def core(slots: int) -> Core:
+    """A core with one GPU pool group of ``slots`` slots and one life cycle."""
+    return Core(4, [(False, 0, 0, 0)], [[0], [-1], [-1]], [[slots], [], []])
+
+
+def test_fresh_allocator_hands_out_slots_in_order():
+    c = core(6)
+    assert c.allocate(G, 0, 2) == [0, 1] and c.allocate(G, 0, 3) == [2, 3, 4]
+    assert (c.free(G, 0), c.used(G, 0), c.capacity(G, 0)) == (1, 5, 6)
+
+
+def test_all_or_nothing():
+    c = core(4)
+    c.allocate(G, 0, 3)
+    assert c.allocate(G, 0, 2) is None and c.free(G, 0) == 1
+    assert c.allocate(G, 0, 1) == [3] and c.allocate(G, 0, 0) == []
+
+
+def test_release_errors_leave_state_unchanged():
+    c = core(4)
+    got = c.allocate(G, 0, 2)
+    for bad in ([got[0], got[0]], [2], [got[1], 9], [-1]):
+        with pytest.raises(ValueError, match="released twice or never allocated"):
+            c.release_slots(G, 0, bad, 0)
+        assert c.free(G, 0) == 2 and not c.is_free(G, 0, got[0]) and not c.is_free(G, 0, got[1])
+    c.release_slots(G, 0, got, 0)
+    assert c.free(G, 0) == 4
+    with pytest.raises(IndexError):
+        c.allocate(G, 1, 1)
+
+
+def test_ready_slots_come_before_fenced_ones_and_fences_are_kept():
+    c = core(4)
+    a = c.allocate(G, 0, 4)
+    c.release_slots(G, 0, a[:2], 7)           # fenced by event 7: handed out last, oldest first
+    c.release_slots(G, 0, a[2:], 0)
+    assert c.allocate(G, 0, 3) == [a[3], a[2], a[0]]
+    assert c.slot_fences(G, 0, [a[0], a[2], a[3]]) == [7]
+    c.give_back(G, 0, [a[0]])                 # taken, never used: it keeps its fence
+    assert c.allocate(G, 0, 2) == [a[1], a[0]] and c.slot_fences(G, 0, [a[0], a[1]]) == [7]
+
+
+# -- slab pools ----------------------------------------------------------------------------
+
+def spec(tier=GPU, sizes=(16, 32, 8)):
+    key = (ReusePolicy.REQUIRED, sizes, None) if tier == GPU else (ReusePolicy.REQUIRED, sum(sizes))
+    return PoolGroupSpec(tier, 0, key, (0,), sizes)
+
+
+def test_pool_views_alias_the_slab():
+    pool = SlabPool(spec(), 4, Device("cpu"))
+    assert pool.slots == 4
+    assert pool.tensor.shape == (4, 56) and pool.tensor.dtype == torch.uint8
+    assert pool.offsets == (0, 16, 48)
+    views = [pool.pool_view(i) for i in range(3)]
+    assert [tuple(v.shape) for v in views] == [(4, 16), (4, 32), (4, 8)]
+    assert views[1].untyped_storage().data_ptr() == pool.tensor.untyped_storage().data_ptr()
+    # write through a view: the right bytes of the right row change, nothing else
+    views[1][2] = torch.arange(32, dtype=torch.uint8) + 100
+    expected = torch.zeros((4, 56), dtype=torch.uint8)
+    expected[2, 16:48] = torch.arange(32, dtype=torch.uint8) + 100
+    assert torch.equal(pool.tensor, expected)
+    views[2][3] = 7
+    expected[3, 48:56] = 7
+    assert torch.equal(pool.tensor, expected)
+    # and a row write (a whole-page copy) shows through every view
+    pool.tensor[0] = torch.arange(56, dtype=torch.uint8)
+    assert torch.equal(views[0][0], torch.arange(0, 16, dtype=torch.uint8))
+    assert torch.equal(views[1][0], torch.arange(16, 48, dtype=torch.uint8))
+    assert torch.equal(views[2][0], torch.arange(48, 56, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("tier", [HOST, DISK])
+def test_cold_slab_is_one_pool_of_whole_pages(tier):
+    pool = SlabPool(spec(tier, sizes=(1088,)), 3, Device("cpu"))
+    assert pool.tensor.shape == (3, 1088) and pool.offsets == (0,)
+    assert not pool.tensor.is_pinned()
+    v = pool.pool_view(0)
+    v[1, 5] = 9
+    assert int(pool.tensor[1, 5]) == 9 and int(pool.tensor.sum()) == 9
