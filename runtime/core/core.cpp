@@ -205,6 +205,7 @@ void Core::unindex(int32_t b) {
 // -- sequences -----------------------------------------------------------------------
 
 OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
+  if (priority < 0 || priority >= kPriorities) throw std::invalid_argument("priority must be in 0..100");
   int32_t s;
   if (!free_seqs_.empty()) {
     s = free_seqs_.back();
@@ -674,6 +675,8 @@ int32_t Core::commit(int32_t s, int32_t n) {
           if (lcs_[lc].reuse == PRIVATE || p.dead) {
             index_.page(b, lc) = -1;              // the sequence keeps it; the index never sees it
           } else {
+            set_block(id, b);                     // a page refilled in the row (fill_holes) becomes the block's
+            index_.page(b, lc) = id;
             p.published = true;
             if (!p.locks) requeue(id);
             published_cold(id);
@@ -1071,19 +1074,26 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
   counters_.orphaned = before - count_disk();
   // Recency is not journaled. Deepest first, then in write order: a block is never older than
   // its descendants, and shallow blocks, which more requests share, go last.
-  std::unordered_map<int64_t, int64_t> gen;
-  for (const RecoveredRecord& r : records) gen[(int64_t(r.group) << 32) | uint32_t(r.slot)] = r.generation;
-  Ids pages;
+  std::vector<std::vector<int64_t>> gen(ng);      // per disk slot: its record's generation
+  for (size_t g = 0; g < ng; ++g) gen[g].assign(size_t(allocs_[DISK][g].capacity()), 0);
+  for (const RecoveredRecord& r : records)
+    if (r.group >= 0 && size_t(r.group) < ng && r.slot >= 0 && r.slot < allocs_[DISK][r.group].capacity())
+      gen[r.group][r.slot] = r.generation;
+  struct Order {
+    int32_t depth;
+    int64_t gen;
+    int32_t id;
+  };
+  std::vector<Order> order;
   for (auto& o : owners_[DISK])
     for (int32_t id : o)
-      if (id >= 0) pages.push_back(id);
-  std::stable_sort(pages.begin(), pages.end(), [&](int32_t a, int32_t b) {
-    int32_t da = index_.blocks[pt_[a].block].depth, db = index_.blocks[pt_[b].block].depth;
-    if (da != db) return da > db;
-    auto ga = gen[(int64_t(pt_[a].group) << 32) | uint32_t(pt_[a].slot)];
-    auto gb = gen[(int64_t(pt_[b].group) << 32) | uint32_t(pt_[b].slot)];
-    return ga < gb;
+      if (id >= 0) order.push_back({index_.blocks[pt_[id].block].depth, gen[pt_[id].group][pt_[id].slot], id});
+  std::stable_sort(order.begin(), order.end(), [](const Order& a, const Order& b) {
+    return a.depth != b.depth ? a.depth > b.depth : a.gen < b.gen;
   });
+  Ids pages;
+  pages.reserve(order.size());
+  for (const Order& o : order) pages.push_back(o.id);
   for (int32_t id : pages) {
     pt_[id].stamp = ++clock_;
     requeue(id);
