@@ -79,7 +79,7 @@ class Reclaimer:
                 slots = await asyncio.shield(task)
             except asyncio.CancelledError:      # the store is closing: the slots still go back
                 task.add_done_callback(lambda t: t.cancelled() or t.exception()
-                                       or core.release_slots(tier, group, t.result(), 0))
+                                       or core.give_back(tier, group, t.result()))
                 raise
             except OutOfPagesError:
                 return                          # colder tiers are full of held pages: requests evict on demand
@@ -87,4 +87,4 @@ class Reclaimer:
                 log.warning("background demotion from tier %d failed: %r", self.tier, exc)
                 await asyncio.sleep(0.05)
                 return
-            core.release_slots(tier, group, slots, 0)
+            core.give_back(tier, group, slots)      # each with the fence of the copy that read it

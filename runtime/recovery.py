@@ -28,15 +28,18 @@ async def persist(store: "Store") -> None:
     core = store.core
     for g, pages in enumerate(core.persist_candidates()):
         for i in range(0, len(pages), PERSIST_CHUNK):
-            chunk = core.still_persistable(pages.slice(i, i + PERSIST_CHUNK))
+            # ids taken before earlier chunks' awaits: keep those still the index's pages for this group
+            chunk = core.still_persistable(pages.slice(i, i + PERSIST_CHUNK), g)
             if not chunk:
                 continue
             store._claim(chunk, DISK)        # before evicting: a drop must not free them under us
             try:
                 slots = await store._obtain(DISK, g, len(chunk))
-            except OutOfPagesError as exc:
+            except BaseException as exc:     # out of pages, or the close was cancelled: settle the claims
                 store._unclaim(chunk, exc)
-                break
+                if isinstance(exc, OutOfPagesError):
+                    break
+                raise
             try:
                 await store._move_claimed(chunk, DISK, {g: slots}, handoff=False)
             except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on

@@ -87,6 +87,7 @@ class Store:
         self.disk = None
         self.engine: MigrationEngine | None = None
         self.nodes = IndexView(self)
+        self._starting: asyncio.Future | None = None
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -98,24 +99,34 @@ class Store:
         return self._started().__await__()
 
     async def _started(self) -> "Store":
-        await self.start()
+        await self.__aenter__()
         return self
 
     async def __aenter__(self) -> "Store":
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()          # a failed start lets go of what it opened (the disk's lock too)
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
     async def start(self) -> None:
+        """Build the tiers and rebuild the index from disk; concurrent calls
+        share one start, and the store is usable only once it finished."""
         if self.started:
             return
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._build)
-        self.started = True
         if self.disk is not None:
-            await index_recovered(self)
+            await index_recovered(self)         # the core is rebuilt off the loop: nothing may use it meanwhile
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
@@ -127,6 +138,7 @@ class Store:
                     r.start()
                     if t == GPU:
                         self.gpu_reclaimers.append((self.lcs_per_gpu_group.get(g, 0), r))
+        self.started = True
 
     def _build(self) -> None:
         """Allocate slabs and open the disk tier (blocking: run off the loop)."""
@@ -157,6 +169,8 @@ class Store:
         """Wait for in-flight moves, optionally persist, release everything."""
         if self.closed:
             return
+        if self._starting is not None and not self._starting.done():
+            await asyncio.wait([self._starting])        # a start in flight finishes (or fails) first
         for r in getattr(self, "reclaimers", {}).values():
             await r.stop()
         if self._tasks:
@@ -167,12 +181,13 @@ class Store:
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
         self.closed = True
-        if self.started:
+        if self.engine is not None or self.disk is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.disk is not None:
             self.disk.close()
 
@@ -429,6 +444,7 @@ class Store:
 
     def _close_sequence(self, seq: Sequence) -> None:
         seq.final_committed = self.core.committed(seq.sid)
+        self._release(seq)              # on CUDA, the caller's current stream fences what it locked
         self.core.close(seq.sid)
         seq.closed = True
         self._sync()
@@ -515,8 +531,8 @@ class Store:
             core.give_back(tier, group, got)
             raise
         need = n - len(got)
-        if len(freed) > need:
-            core.release_slots(tier, group, freed[need:], 0)
+        if len(freed) > need:                   # back to the pool, each with the fence of its last reader
+            core.give_back(tier, group, freed[need:])
         return got + freed[:need]
 
     def _pick_victims(self, tier: int, group: int, need: int, extra: int = 0, raise_: bool = True) -> Pages | None:
@@ -584,7 +600,7 @@ class Store:
         if error is not None:
             if handoff and freed:     # source slots of the batches that did move: nobody takes them now
                 src_tier, src_group = batches[0][0], batches[0][1]
-                self.core.release_slots(src_tier, src_group, freed, 0)
+                self.core.give_back(src_tier, src_group, freed)
             raise error
         return freed
 

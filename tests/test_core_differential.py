@@ -502,7 +502,7 @@ class Driver:
     def persist(self, chunk: int) -> None:
         for g, pages in enumerate(self.call("persist_candidates")):
             for i in range(0, len(pages), chunk):
-                part = self.call("still_persistable", pages.slice(i, i + chunk))
+                part = self.call("still_persistable", pages.slice(i, i + chunk), g)
                 if not part.tolist():
                     continue
                 self.call("claim", part, DISK, False)
@@ -815,8 +815,10 @@ class CoreMachine(RuleBasedStateMachine):
             d.call("ready_events", s)
             pages = d.call("prefetch_pages", s)
             rows = PP.of([p for p in d.call("seq_pages", s) if p >= 0])
-            for name in ("claims_of", "cold_pages", "droppable", "still_persistable"):
+            for name in ("claims_of", "cold_pages", "droppable"):
                 d.call(name, rows)
+            for g in range(len(d.capacity[2])):
+                d.call("still_persistable", rows, g)
             d.call("group_counts", rows, GPU)
             d.call("split_batches", pages, GPU)
         for t in range(3):

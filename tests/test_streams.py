@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tiers.device import Device
-from tiers.slots import SlotAllocator
+from runtime.core import Core
+from runtime.handles import EventTable
 from tiers.streams import DONE, HostEvent, HostStream
 
 T = 5.0          # generous timeout for anything that should happen promptly
@@ -283,12 +284,12 @@ def test_close_drains_queued_work_and_rejects_new_work():
 
 def test_next_owner_does_not_write_before_previous_owners_copy_finished(streams):
     """A slot is released with the event of the copy that reads it as its fence;
-    the next owner's write waits on ``allocator.fences[slot]``."""
+    the next owner's write waits on the slot's fence (the core keeps its event id)."""
     a, b = streams("copy"), streams("write")
     slab = torch.zeros((2, 64), dtype=torch.uint8)
-    alloc = SlotAllocator(2)
-    (other,) = alloc.allocate(1)                # keep slot 0 busy so the next owner gets the fenced one
-    (slot,) = alloc.allocate(1)
+    core, events = Core(4, [(False, 0, 0, 0)], [[0], [-1], [-1]], [[2], [], []]), EventTable()
+    (other,) = core.allocate(0, 0, 1)           # keep slot 0 busy so the next owner gets the fenced one
+    (slot,) = core.allocate(0, 0, 1)
     assert (other, slot) == (0, 1)
     old = torch.arange(64, dtype=torch.uint8) * 3
     slab[slot] = old                            # the previous owner's page
@@ -302,13 +303,14 @@ def test_next_owner_does_not_write_before_previous_owners_copy_finished(streams)
         out.copy_(slab[slot])
 
     copy_ev = a.submit(copy_out)
-    alloc.release([slot], fence=copy_ev)        # the owner lets go before the copy finished
-    assert alloc.is_free(slot) and alloc.fences[slot] is copy_ev
+    core.release_slots(0, 0, [slot], events.id(copy_ev))     # the owner lets go before the copy finished
+    assert core.is_free(0, 0, slot) and events.all(core.slot_fences(0, 0, [slot])) == [copy_ev]
 
-    (new_slot,) = alloc.allocate(1)             # the next owner
+    (new_slot,) = core.allocate(0, 0, 1)        # the next owner
     assert new_slot == slot
-    assert alloc.fences[slot] is copy_ev        # it must wait on this before writing
-    b.wait_event(alloc.fences[slot])
+    (fence,) = events.all(core.slot_fences(0, 0, [slot]))   # it must wait on this before writing
+    assert fence is copy_ev
+    b.wait_event(fence)
     wrote = threading.Event()
 
     def write_new():

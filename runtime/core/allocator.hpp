@@ -60,6 +60,13 @@ class SlotAllocator {
     }
   }
 
+  // An allocated slot handed to a new owner by the copy (or drop) that read
+  // it last: the new owner waits on `fence` before writing.
+  void set_fence(int32_t s, int32_t fence) {
+    assert(!is_free_[s]);
+    fence_[s] = fence;
+  }
+
   // Give one slot back with the fence it already carries (a slot taken and
   // never used: its next owner still waits on the copy before).
   void give_back(int32_t s) { release(&s, 1, fence_[s]); }

@@ -109,6 +109,13 @@ std::vector<Ids> slots_by_group(const Core& c, int tier, nb::handle slots) {
   return out;
 }
 
+// Page ids Python hands back: the core's own, but a tool can build any.
+const Ids& ids(const Core& c, const Pages& p) {
+  for (int32_t id : p.ids)
+    if (!c.valid_page(id)) throw nb::index_error("no such page");
+  return p.ids;
+}
+
 void check_tier_group(const Core& c, int tier, int group) {
   if (tier < 0 || tier >= kvtier::kTiers || group < 0 || group >= c.n_groups(tier))
     throw nb::index_error("no such tier and pool group");
@@ -209,9 +216,9 @@ NB_MODULE(_core, m) {
              return c.fill_holes(s, holes, v);
            })
       .def("lock_needed", [](Core& c, int32_t s) { return Pages{c.lock_needed(s)}; })
-      .def("finish_acquire", [](Core& c, int32_t s, const Pages& p) { c.finish_acquire(s, p.ids); })
-      .def("undo_acquire", [](Core& c, int32_t s, const Pages& p) { c.undo_acquire(s, p.ids); })
-      .def("unlock", [](Core& c, const Pages& p) { c.unlock(p.ids); })
+      .def("finish_acquire", [](Core& c, int32_t s, const Pages& p) { c.finish_acquire(s, ids(c, p)); })
+      .def("undo_acquire", [](Core& c, int32_t s, const Pages& p) { c.undo_acquire(s, ids(c, p)); })
+      .def("unlock", [](Core& c, const Pages& p) { c.unlock(ids(c, p)); })
       .def("release", &Core::release)
       .def("ready_events", &Core::ready_events)
       .def("prefetch_pages", [](Core& c, int32_t s) { return Pages{c.prefetch_pages(s)}; })
@@ -251,26 +258,26 @@ NB_MODULE(_core, m) {
       .def("queue_len", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return c.queue_len(tier, g); })
       .def("n_groups", &Core::n_groups)
       // -- claims, eviction and moves
-      .def("claim", [](Core& c, const Pages& p, int to_tier, bool one_queue) { return c.claim(p.ids, to_tier, one_queue); },
+      .def("claim", [](Core& c, const Pages& p, int to_tier, bool one_queue) { return c.claim(ids(c, p), to_tier, one_queue); },
            "pages"_a, "to_tier"_a, "one_queue"_a = false)
-      .def("claims_of", [](const Core& c, const Pages& p) { return c.claims_of(p.ids); })
-      .def("cold_pages", [](const Core& c, const Pages& p) { return Pages{c.cold_pages(p.ids)}; })
-      .def("group_counts", [](const Core& c, const Pages& p, int tier) { return c.group_counts(p.ids, tier); })
-      .def("unclaim", [](Core& c, const Pages& p) { return c.unclaim(p.ids); })
+      .def("claims_of", [](const Core& c, const Pages& p) { return c.claims_of(ids(c, p)); })
+      .def("cold_pages", [](const Core& c, const Pages& p) { return Pages{c.cold_pages(ids(c, p))}; })
+      .def("group_counts", [](const Core& c, const Pages& p, int tier) { return c.group_counts(ids(c, p), tier); })
+      .def("unclaim", [](Core& c, const Pages& p) { return c.unclaim(ids(c, p)); })
       .def("pick_victims", [](Core& c, int tier, int g, int32_t need, int32_t extra) -> nb::object {
              check_tier_group(c, tier, g);
              Ids victims, claims;
              if (!c.pick_victims(tier, g, need, extra, victims, claims)) return nb::none();
              return nb::make_tuple(Pages{std::move(victims)}, claims);
            })
-      .def("droppable", [](const Core& c, const Pages& p) { return c.droppable(p.ids); })
+      .def("droppable", [](const Core& c, const Pages& p) { return c.droppable(ids(c, p)); })
       .def("drop_victims", [](Core& c, int tier, const Pages& p) {
-             auto r = c.drop_victims(tier, p.ids);
+             auto r = c.drop_victims(tier, ids(c, p));
              return nb::make_tuple(r.claims, r.slots);
            })
       .def("split_batches", [](const Core& c, const Pages& p, int dst_tier) {
              nb::list out;
-             for (auto& b : c.split_batches(p.ids, dst_tier))
+             for (auto& b : c.split_batches(ids(c, p), dst_tier))
                out.append(nb::make_tuple(int(b.src_tier), b.src_group, b.dst_group, Pages{b.pages}));
              return out;
            })
@@ -304,17 +311,19 @@ NB_MODULE(_core, m) {
            })
       .def("land", [](Core& c, const Pages& p, int dst_tier, int g, const Ids& dst_slots, int32_t event, bool handoff) {
              check_tier_group(c, dst_tier, g);
-             auto r = c.land(p.ids, dst_tier, g, dst_slots, event, handoff);
+             auto r = c.land(ids(c, p), dst_tier, g, dst_slots, event, handoff);
              return nb::make_tuple(r.claims, r.slots);
            })
-      .def("discard_corrupt", [](Core& c, const Pages& p, const Ids& bad) { return c.discard_corrupt(p.ids, bad); })
+      .def("discard_corrupt", [](Core& c, const Pages& p, const Ids& bad) { return c.discard_corrupt(ids(c, p), bad); })
       // -- the disk tier across restarts
       .def("persist_candidates", [](const Core& c) {
              nb::list out;
              for (auto& ids : c.persist_candidates()) out.append(Pages{std::move(ids)});
              return out;
            })
-      .def("still_persistable", [](const Core& c, const Pages& p) { return Pages{c.still_persistable(p.ids)}; })
+      .def("still_persistable", [](const Core& c, const Pages& p, int32_t group) {
+             return Pages{c.still_persistable(p.ids, group)};
+           })
       .def("recover_add", [](Core& c, nb::handle keys, nb::handle parents, const std::vector<int32_t>& depth,
                              const std::vector<int32_t>& lc, const std::vector<int32_t>& group,
                              const std::vector<int32_t>& slot, const std::vector<int32_t>& priority,

@@ -194,7 +194,7 @@ void Core::unindex(int32_t b) {
   // children are unindexed by the caller's traversal (drop_subtree) or there are none
   for (int32_t c = x.first_child; c >= 0;) {
     int32_t nxt = index_.blocks[c].next_sibling;
-    index_.blocks[c].next_sibling = -1;
+    index_.blocks[c].next_sibling = index_.blocks[c].prev_sibling = -1;
     c = nxt;
   }
   x.first_child = -1;
@@ -226,6 +226,12 @@ OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
     for (size_t i = 0; i < keys.size(); ++i) {
       int32_t b = index_.find(keys[i]);
       if (b < 0 || index_.blocks[b].parent != parent || index_.blocks[b].depth != int32_t(i)) break;
+      bool saturated = false;
+      for (int lc = 0; lc < n_lcs(); ++lc) {
+        int32_t id = index_.page(b, lc);
+        saturated = saturated || (id >= 0 && pt_[id].holders >= kMaxHolders);
+      }
+      if (saturated) break;
       path.push_back(b);
       parent = b;
     }
@@ -293,7 +299,7 @@ void Core::close_seq(int32_t s) {
       if (p.dead) {
         maybe_recycle(id);
       } else if (!p.published) {
-        free_page(id);
+        if (!p.holders) free_page(id);                     // else another sequence still holds it
       } else if (p.tier == last_tier_) {                  // holders only gate the last tier's queue
         unheld.push_back(id);
       }
@@ -331,6 +337,9 @@ Ids Core::place_extension(int32_t s, int32_t n, std::vector<Ids>& slots) {
       require(!mine.empty(), "place_extension: too few slots");
       int32_t slot = mine.back();
       mine.pop_back();
+      require(slot >= 0 && slot < allocs_[GPU][g].capacity() && !allocs_[GPU][g].is_free(slot) &&
+                  owners_[GPU][g][slot] < 0,
+              "place_extension: a slot that is not allocated, or owned");
       int32_t f = allocs_[GPU][g].fence(slot);
       if (f) fences.push_back(f);
       int32_t id = new_page(b, lc, GPU, g, slot, q.priority);
@@ -380,7 +389,8 @@ void Core::undo_extend(int32_t s, int32_t n) {
       int32_t id = q.pages[i * nl + lc];
       if (id < 0) continue;
       --pt_[id].holders;
-      if (pt_[id].dead) maybe_recycle(id); else free_page(id);
+      if (pt_[id].dead) maybe_recycle(id);
+      else if (!pt_[id].holders) free_page(id);
     }
     q.pages.resize(i * nl);
     q.recompute.resize(i * nl);
@@ -467,6 +477,9 @@ Ids Core::fill_holes(int32_t s, const Ids& holes, std::vector<Ids>& slots) {
     require(!slots[g].empty(), "fill_holes: too few slots");
     int32_t slot = slots[g].back();
     slots[g].pop_back();
+    require(slot >= 0 && slot < allocs_[GPU][g].capacity() && !allocs_[GPU][g].is_free(slot) &&
+                owners_[GPU][g][slot] < 0,
+            "fill_holes: a slot that is not allocated, or owned");
     fences.push_back(allocs_[GPU][g].fence(slot));
     size_t cell = size_t(b) * nl + lc;
     int32_t old = q.pages[cell];
@@ -702,7 +715,8 @@ int32_t Core::commit(int32_t s, int32_t n) {
 }
 
 Ids Core::page_indices(int32_t s, int lc) const {
-  const Seq& q = seqs_[s];
+  const Seq& q = seq(s);
+  require(lc >= 0 && lc < n_lcs(), "no such life cycle");
   int nl = n_lcs();
   Ids out(q.blocks.size(), -1);
   for (size_t b = 0; b < q.blocks.size(); ++b) {
@@ -713,7 +727,8 @@ Ids Core::page_indices(int32_t s, int lc) const {
 }
 
 Ids Core::locked_slots(int32_t s, int lc) const {
-  const Seq& q = seqs_[s];
+  const Seq& q = seq(s);
+  require(lc >= 0 && lc < n_lcs(), "no such life cycle");
   int nl = n_lcs();
   Ids out(q.blocks.size(), -1);
   if (!q.acquired) return out;
@@ -726,7 +741,8 @@ Ids Core::locked_slots(int32_t s, int lc) const {
 }
 
 Ids Core::recompute_blocks(int32_t s, int lc) const {
-  const Seq& q = seqs_[s];
+  const Seq& q = seq(s);
+  require(lc >= 0 && lc < n_lcs(), "no such life cycle");
   int nl = n_lcs();
   Ids out;
   for (size_t b = 0; b < q.blocks.size(); ++b)
@@ -902,6 +918,7 @@ Settled Core::drop_victims(int tier, const Ids& victims) {
     if (c && std::find(out.claims.begin(), out.claims.end(), c) == out.claims.end()) out.claims.push_back(c);
     p.claim = 0;
     owners_[p.tier][p.group][p.slot] = -1;
+    allocs_[p.tier][p.group].set_fence(p.slot, p.ready);   // its next owner waits on the page's last copy
     out.slots.push_back(p.slot);
     // a page already freed by an ancestor's subtree drop keeps its slot for the caller too
     if (p.dead) maybe_recycle(id); else drop(id, false);
@@ -931,6 +948,13 @@ std::vector<BatchSpec> Core::split_batches(const Ids& pages, int dst_tier) const
 
 Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff) {
   require(batch.size() == dst_slots.size() && !batch.empty(), "land: one slot per page");
+  for (size_t i = 0; i < batch.size(); ++i) {
+    int32_t s = dst_slots[i];
+    require(s >= 0 && s < allocs_[dst_tier][dst_group].capacity() && !allocs_[dst_tier][dst_group].is_free(s) &&
+                owners_[dst_tier][dst_group][s] < 0,
+            "land: a destination slot that is not allocated, or owned");
+    require(pt_[batch[i]].claim != 0, "land: a page that is not claimed");
+  }
   Settled out;
   int src_tier = pt_[batch[0]].tier, src_group = pt_[batch[0]].group;
   Ids freed;
@@ -948,7 +972,10 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
     dst_owners[dst_slots[i]] = batch[i];
   }
   if (src_tier == DISK) disk_frees_.push_back({src_group, freed});
-  if (handoff) out.slots = freed;
+  if (handoff) {                                   // the caller's next writer waits on this batch's reads
+    for (int32_t slot : freed) allocs_[src_tier][src_group].set_fence(slot, event);
+    out.slots = freed;
+  }
   else allocs_[src_tier][src_group].release(freed.data(), freed.size(), event);
   Ids live;
   out.claims = end_claims(batch, live);
@@ -995,11 +1022,15 @@ std::vector<Ids> Core::persist_candidates() const {
   return out;
 }
 
-Ids Core::still_persistable(const Ids& pages) const {
+Ids Core::still_persistable(const Ids& pages, int32_t group) const {
   Ids out;
   for (int32_t id : pages) {
+    if (id < 0 || size_t(id) >= pt_.pages.size()) continue;
     const Page& p = pt_[id];
-    if (p.in_use() && !p.dead && !p.claim && p.tier != DISK) out.push_back(id);
+    // the id may have been recycled since the candidates were taken: still the index's page?
+    if (p.in_use() && !p.dead && !p.claim && p.tier != DISK && p.published && p.block >= 0 &&
+        index_.page(p.block, p.lc) == id && group_of_[DISK][p.lc] == group)
+      out.push_back(id);
   }
   return out;
 }

@@ -107,7 +107,11 @@ class Core {
   OpenResult open_seq(std::vector<Key> keys, int priority);
   void append_keys(int32_t s, const std::vector<Key>& keys);
   void close_seq(int32_t s);
-  const Seq& seq(int32_t s) const { return seqs_[s]; }
+  const Seq& seq(int32_t s) const {
+    if (s < 0 || size_t(s) >= seqs_.size() || !seqs_[s].in_use) throw CoreError("no such sequence");
+    return seqs_[s];
+  }
+  bool valid_page(int32_t id) const { return id >= 0 && size_t(id) < pt_.pages.size(); }
 
   // Extension: `slots[g]` holds the new pages' slots of GPU group g (popped from
   // the back, as the Python model does). Returns the slots' fences.
@@ -173,7 +177,7 @@ class Core {
   // Published pages not on disk, unclaimed and unlocked, most recent first,
   // per disk group, at most `capacity` each.
   std::vector<Ids> persist_candidates() const;
-  Ids still_persistable(const Ids& pages) const;
+  Ids still_persistable(const Ids& pages, int32_t group) const;   // still the index's pages, bound for group
   // Rebuild the index from recovered records; returns slots to forget per group
   // (not recoverable or unreachable). Counters: recovered, orphaned, discarded.
   std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
@@ -188,7 +192,10 @@ class Core {
   void drop_page(int32_t id);                     // drop a published page as the last tier's eviction would
 
   // -- queries ----------------------------------------------------------------------
-  const Page& page(int32_t id) const { return pt_[id]; }
+  const Page& page(int32_t id) const {
+    if (!valid_page(id)) throw CoreError("no such page");
+    return pt_[id];
+  }
   const Block& block(int32_t id) const { return index_.blocks[id]; }
   int32_t find_block(const Key& k) const { return index_.find(k); }
   int32_t block_page(int32_t b, int lc) const { return index_.page(b, lc); }

@@ -20,7 +20,7 @@
 
 namespace kvtier {
 
-// 40 bytes.
+// 44 bytes.
 struct Block {
   Key key{};
   bool indexed = false;
@@ -28,11 +28,12 @@ struct Block {
   bool in_use = false;
   int32_t parent = -1;
   int32_t first_child = -1;     // newest child first
-  int32_t next_sibling = -1;
+  int32_t next_sibling = -1;    // the siblings form a doubly linked list: unlinking is O(1)
+  int32_t prev_sibling = -1;
   int32_t depth = 0;            // index of the block in its sequence
   int32_t refs = 0;
 };
-static_assert(sizeof(Block) == 40, "the block record grew");
+static_assert(sizeof(Block) == 44, "the block record grew");
 
 class BlockIndex {
  public:
@@ -100,6 +101,8 @@ class BlockIndex {
     if (x.parent >= 0) {
       Block& p = blocks[x.parent];
       x.next_sibling = p.first_child;
+      x.prev_sibling = -1;
+      if (p.first_child >= 0) blocks[p.first_child].prev_sibling = b;
       p.first_child = b;
     }
   }
@@ -132,12 +135,11 @@ class BlockIndex {
     table_[i] = -1;
     --count_;
     if (x.parent >= 0 && blocks[x.parent].indexed) {   // an unindexed parent has let go of its children
-      int32_t* link = &blocks[x.parent].first_child;
-      while (*link >= 0 && *link != b) link = &blocks[*link].next_sibling;
-      assert(*link == b);
-      if (*link == b) *link = x.next_sibling;
+      if (x.prev_sibling >= 0) blocks[x.prev_sibling].next_sibling = x.next_sibling;
+      else blocks[x.parent].first_child = x.next_sibling;
+      if (x.next_sibling >= 0) blocks[x.next_sibling].prev_sibling = x.prev_sibling;
     }
-    x.next_sibling = -1;
+    x.next_sibling = x.prev_sibling = -1;
     x.first_child = -1;
   }
 

@@ -54,6 +54,9 @@ _INT32_MAX = (1 << 31) - 1
 NOT_QUEUED, IN_ORDER, LATE = 0, 1, 2
 
 
+MAX_HOLDERS = 65535         # the core's 16-bit holder count: a page this shared is not matched again
+
+
 class CoreError(RuntimeError):
     """A broken precondition or invariant (the core's ``CoreError``)."""
 
@@ -560,6 +563,11 @@ class ModelCore:
             raise CoreError("no such sequence")
         return self.seqs[s]
 
+    def _seq_lc(self, s: int, lc: int) -> Seq:
+        q = self._live_seq(s)
+        _require(0 <= lc < self._n_lcs, "no such life cycle")
+        return q
+
     def _check_tier_group(self, tier: int, group: int) -> None:
         if not 0 <= tier < TIERS or not 0 <= group < len(self.allocs[tier]):
             raise IndexError("no such tier and pool group")
@@ -724,6 +732,8 @@ class ModelCore:
                 b = self._find(k)
                 if b < 0 or self.blocks[b].parent != parent or self.blocks[b].depth != i:
                     break
+                if any(pid >= 0 and self.pt[pid].holders >= MAX_HOLDERS for pid in self.blocks[b].pages):
+                    break                   # shared by as many sequences as the core's counters hold
                 path.append(b)
                 parent = b
             k = len(path)
@@ -787,7 +797,8 @@ class ModelCore:
                 if p.dead:
                     self._maybe_recycle(pid)
                 elif not p.published:
-                    self._free_page(pid)
+                    if not p.holders:           # else another sequence still holds it
+                        self._free_page(pid)
                 elif p.tier == self._last_tier:  # holders only gate the last tier's queue
                     unheld.append(pid)
         self._queue_all(unheld)
@@ -883,7 +894,7 @@ class ModelCore:
                 self.pt[pid].holders -= 1
                 if self.pt[pid].dead:
                     self._maybe_recycle(pid)
-                else:
+                elif not self.pt[pid].holders:
                     self._free_page(pid)
             q.pages.pop()
             q.recompute.pop()
@@ -1167,15 +1178,16 @@ class ModelCore:
 
     def page_indices(self, s: int, lc: int) -> list[int]:
         """GPU slot per block for life cycle ``lc`` (-1: no live GPU page)."""
+        q = self._seq_lc(s, lc)
         out = []
-        for row in self.seqs[s].pages:
+        for row in q.pages:
             p = self.pt[row[lc]] if row[lc] >= 0 else None
             out.append(p.slot if p is not None and p.tier == GPU and not p.dead else -1)
         return out
 
     def locked_slots(self, s: int, lc: int) -> list[int]:
         """GPU slot per block of the pages this sequence's acquire locked, else -1."""
-        q = self.seqs[s]
+        q = self._seq_lc(s, lc)
         out = [-1] * len(q.blocks)
         if not q.acquired:
             return out
@@ -1187,7 +1199,7 @@ class ModelCore:
         return out
 
     def recompute_blocks(self, s: int, lc: int) -> list[int]:
-        return [b for b, row in enumerate(self.seqs[s].recompute) if row[lc]]
+        return [b for b, row in enumerate(self._seq_lc(s, lc).recompute) if row[lc]]
 
     # -- slots ---------------------------------------------------------------------------------------------------
     def allocate(self, tier: int, group: int, n: int) -> list[int] | None:
@@ -1352,6 +1364,7 @@ class ModelCore:
                 claims.append(p.claim)
             p.claim = 0
             self.owners[p.tier][p.group][p.slot] = -1
+            self.allocs[p.tier][p.group].fence[p.slot] = p.ready   # its next owner waits on the page's last copy
             slots.append(p.slot)
             # a page already freed by an ancestor's subtree drop keeps its slot for the caller too
             if p.dead:
@@ -1416,7 +1429,9 @@ class ModelCore:
             self.owners[dst_tier][dst_group][s] = pid
         if src_tier == DISK:
             self.disk_frees.append((src_group, list(freed)))
-        if handoff:
+        if handoff:                     # the caller's next writer waits on this batch's reads
+            for s in freed:
+                self.allocs[src_tier][src_group].fence[s] = event
             out_slots = freed
         else:
             self.allocs[src_tier][src_group].release(freed, event)
@@ -1468,10 +1483,18 @@ class ModelCore:
                 out[g].append(pid)
         return [Pages(ids) for ids in out]
 
-    def still_persistable(self, pages: Pages) -> Pages:
-        return Pages(pid for pid in _page_ids(pages)
-                     if self.pt[pid].in_use and not self.pt[pid].dead and not self.pt[pid].claim
-                     and self.pt[pid].tier != DISK)
+    def still_persistable(self, pages: Pages, group: int) -> Pages:
+        """Those of ``pages`` (ids taken before awaits) that are still the
+        index's pages, bound for disk group ``group``, idle and not on disk."""
+        out = []
+        for pid in _page_ids(pages):
+            if not 0 <= pid < len(self.pt):
+                continue
+            p = self.pt[pid]
+            if (p.in_use and not p.dead and not p.claim and p.tier != DISK and p.published and p.block >= 0
+                    and self.blocks[p.block].pages[p.lc] == pid and self.group_of[DISK][p.lc] == group):
+                out.append(pid)
+        return Pages(out)
 
     def recover_add(self, keys: list, parents: list, depth: list, lc: list, group: list, slot: list,
                     priority: list, generation: list) -> None:

@@ -15,6 +15,10 @@ namespace kvtier {
 enum Tier : int8_t { GPU = 0, HOST = 1, DISK = 2, NO_TIER = -1 };
 constexpr int kTiers = 3;
 
+// A page shared by this many sequences is not matched by one more (its
+// counters are 16 bits): the newcomer's match stops before that block.
+constexpr uint16_t kMaxHolders = 65535;
+
 enum Queued : uint8_t { NOT_QUEUED = 0, IN_ORDER = 1, LATE = 2 };
 
 // 40 bytes: the page table is most of the core's memory per page.
@@ -26,8 +30,8 @@ struct Page {
   int32_t next = -1;
   int32_t claim = 0;        // the in-flight operation holding it (0: none) = "moving"
   int32_t ready = 0;        // event of the last copy that wrote it (0: none)
-  uint16_t locks = 0;       // active sequences that need it on the GPU (LOCKED)
-  uint16_t holders = 0;     // sequence rows that refer to it (HELD)
+  uint16_t locks = 0;       // active sequences that need it on the GPU (LOCKED); locks <= holders
+  uint16_t holders = 0;     // sequence rows that refer to it (HELD); at most kMaxHolders
   uint8_t lc = 0;
   uint8_t group = 0;
   uint8_t priority = 0;

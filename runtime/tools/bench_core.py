@@ -13,7 +13,9 @@ reference measured in the same run (never a timed test):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import sys
 import tempfile
 import time
 from typing import Sequence
@@ -76,7 +78,19 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def metadata_row(n_pages: int = 1 << 20, per_request: int = 512) -> dict:
+async def metadata_row(n_pages: int = 1 << 20) -> dict:
+    """``metadata_in_process`` in a fresh interpreter: the heap of the rows
+    run before it would absorb (and hide) the growth it measures."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "runtime.tools.bench_core", "metadata", str(n_pages),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"metadata benchmark failed: {err.decode(errors='replace')[-2000:]}")
+    return json.loads(out)
+
+
+async def metadata_in_process(n_pages: int, per_request: int = 512) -> dict:
     """RSS growth per committed, indexed page (one life cycle, GPU tier
     large enough that nothing is evicted; 16-byte pages so the slab is small
     and allocated before the first reading)."""
@@ -145,7 +159,7 @@ async def _evict_all(store: Store) -> None:
     n = core.queue_len(0, 0)
     if n:
         victims = store._pick_victims(0, 0, n)
-        core.release_slots(0, 0, await store._evict(0, victims), 0)
+        core.give_back(0, 0, await store._evict(0, victims))
 
 
 async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str) -> list[dict]:
@@ -203,3 +217,11 @@ async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, q
     rows += await concurrency_rows(requests, (4096, 16384, 65536), directory)
     rows.append(await reopen_row(tempfile.mkdtemp(dir=directory), 100_000 if quick else 1_000_000))
     return rows
+
+
+if __name__ == "__main__":        # python -m runtime.tools.bench_core metadata N (metadata_row runs it)
+    from .cli import tune_gc
+    tune_gc()
+    if len(sys.argv) != 3 or sys.argv[1] != "metadata":
+        sys.exit("usage: python -m runtime.tools.bench_core metadata N_PAGES")
+    print(json.dumps(asyncio.run(metadata_in_process(int(sys.argv[2])))))
