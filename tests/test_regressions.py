@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from runtime import LayerSpec, ReusePolicy, Store, StoreClosedError, TierIOError
+from runtime import LayerSpec, ReusePolicy, Store, StoreClosedError, TierIOError, UsageError
 from runtime.pages import DISK, GPU, HOST
 
-from helpers import config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
+from helpers import config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles, write_blocks
 
 
 async def test_held_pages_in_the_last_tier_are_never_dropped(tmp_path):
@@ -228,3 +228,67 @@ async def test_closing_a_sequence_after_its_store_closed_is_quiet(tmp_path):
     assert seq.closed
     with pytest.raises(StoreClosedError):
         await seq.acquire()
+
+
+async def test_closing_a_sequence_leaves_a_shared_unpublished_page_to_its_other_holder():
+    """A's and B's shared prefix loses its block-2 page (a drop, as for a
+    corrupt disk page): block 3 becomes unpublished but both still hold it,
+    and B has it locked. A's close freed it under B's lock (found in review)."""
+    async with Store.open(config(gpu=16)) as store:
+        await fill(store, toks(1, 4))
+        a = await store.open_sequence(tokens=toks(1, 4))
+        b = await store.open_sequence(tokens=toks(1, 4))
+        await b.acquire()
+        locked = b.locked_indices(0)
+        assert min(locked) >= 0
+        store._drop(a.pages[2][0])
+        await a.close()
+        p3 = b.pages[3][0]
+        assert not p3.dead and p3.locks == 1 and b.locked_indices(0)[3] == locked[3]
+        c = await store.open_sequence(tokens=toks(99, 4))
+        await c.extend(4)
+        assert locked[3] not in c.page_indices(0)         # B's locked slot is not handed out
+        await b.release()
+        await b.close()
+        await c.close()
+        store.check_consistency()
+        assert store.stats()["tiers"]["gpu"]["groups"][0]["used"] == 2      # blocks 0 and 1 stay indexed
+
+
+async def test_a_second_start_waits_for_recovery(tmp_path):
+    """Recovery rebuilds the core off the loop; a second start() (or any use)
+    must not reach the core meanwhile (found in review: it returned at once)."""
+    cfg = lambda: config(gpu=16, host=16, disk=8192, disk_dir=tmp_path)     # noqa: E731
+    async with Store.open(cfg()) as store:
+        for base in range(300):
+            await prefill_keys(store, [base * 100 + i for i in range(8)])
+    store = Store.open(cfg())
+    first = asyncio.ensure_future(store.start())
+    await asyncio.sleep(0)
+    with pytest.raises(UsageError, match="not started"):
+        await store.open_sequence(block_keys=[1, 2])
+    await store.start()
+    assert first.done() and store.started
+    seq = await store.open_sequence(block_keys=list(range(8)))
+    assert seq.matched_blocks == 8
+    await seq.close()
+    await store.close()
+
+
+def test_a_page_held_by_65535_sequences_is_not_matched_by_one_more():
+    """The core counts holders in 16 bits: the 65536th sequence must not wrap
+    the count (the page became droppable under its holders, found in review)."""
+    from runtime.core import Core
+    c = Core(4, [(False, 0, 0, 0)], [[0], [-1], [-1]], [[4], [], []])
+    s, _, _ = c.open([1], 35)
+    c.extend_now(s, 1)
+    c.commit(s, 1)
+    c.close(s)
+    sids = [c.open([1], 35) for _ in range(65535)]
+    assert all(m == 1 for _, m, _ in sids)
+    _, matched, _ = c.open([1], 35)
+    assert matched == 0
+    assert c.pick_victims(0, 0, 1, 0) is None              # still held: never a victim
+    for sid, _, _ in sids:
+        c.close(sid)
+    c.check()
