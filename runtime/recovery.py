@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tiers.errors import KvtierError, OutOfPagesError
 
+from .loop import gc_paused
 from .pages import DISK
 
 if TYPE_CHECKING:
@@ -74,9 +75,10 @@ async def index_recovered(store: "Store") -> None:
 
     def rebuild():
         recovered = disk.recovered
-        for i in range(0, len(recovered), RECOVER_CHUNK):     # the loop gets the GIL between chunks
-            core.recover_add(*_columns(recovered[i:i + RECOVER_CHUNK]))
-        return core.recover()
+        with gc_paused():
+            for i in range(0, len(recovered), RECOVER_CHUNK):     # the loop gets the GIL between chunks
+                core.recover_add(*_columns(recovered[i:i + RECOVER_CHUNK]))
+            return core.recover()
     forget = await asyncio.get_running_loop().run_in_executor(None, rebuild)
     for g, slots in enumerate(forget):
         if slots:

@@ -31,14 +31,15 @@ from tiers.streams import CudaEvent
 
 from .core import Core, CoreError, Pages
 from .handles import ClaimTable, EventTable
-from .views import IndexView
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
+from .loop import gc_paused
 from .migration import ANONYMOUS_KEY, Batch, MigrationEngine
 from .pages import DISK, GPU, TIER_NAMES
 from .readiness import wait_events
 from .reclaim import Reclaimer
 from .recovery import index_recovered, persist
 from .sequence import Sequence
+from .views import IndexView
 
 log = logging.getLogger("kvtier")
 HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a millisecond per 64 Ki tokens)
@@ -153,9 +154,10 @@ class Store:
         if cfg.disk is not None:
             from tiers.disk import DiskTier
             d = cfg.disk
-            self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb, cfg.hash_salt),
-                                      list(zip(cold_bytes, n["disk"])), on_mismatch=d.on_mismatch,
-                                      o_direct=d.o_direct, min_free=d.min_free, fsync=d.fsync)
+            with gc_paused():               # the journal replay builds a record per page
+                self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb, cfg.hash_salt),
+                                          list(zip(cold_bytes, n["disk"])), on_mismatch=d.on_mismatch,
+                                          o_direct=d.o_direct, min_free=d.min_free, fsync=d.fsync)
         self.slabs = [gpu, host]
         capacity = [[p.slots for p in gpu], [p.slots for p in host],
                     list(n["disk"]) if cfg.disk is not None else []]
