@@ -556,31 +556,29 @@ void Core::release(int32_t s, int32_t event) {
   for (int32_t id : locked) maybe_recycle(id);
 }
 
-Ids Core::ready_events(int32_t s) {
-  Seq& q = live_seq(s);
+Ids Core::needed_pages(const Seq& q) const {
   std::vector<std::pair<int32_t, int32_t>> need;
   needed(q, need);
   Ids out;
+  out.reserve(need.size());
   int nl = n_lcs();
-  for (auto [b, lc] : need) {
-    int32_t id = q.pages[size_t(b) * nl + lc];
+  for (auto [b, lc] : need) out.push_back(q.pages[size_t(b) * nl + lc]);
+  return out;
+}
+
+Ids Core::ready_events(int32_t s) {
+  Ids out;
+  for (int32_t id : needed_pages(live_seq(s)))
     if (id >= 0 && pt_[id].ready) out.push_back(pt_[id].ready);
-  }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 
 Ids Core::prefetch_pages(int32_t s) {
-  Seq& q = live_seq(s);
-  std::vector<std::pair<int32_t, int32_t>> need;
-  needed(q, need);
   Ids out;
-  int nl = n_lcs();
-  for (auto [b, lc] : need) {
-    int32_t id = q.pages[size_t(b) * nl + lc];
+  for (int32_t id : needed_pages(live_seq(s)))
     if (id >= 0 && !pt_[id].dead && pt_[id].tier != GPU && !pt_[id].claim) out.push_back(id);
-  }
   return out;
 }
 

@@ -25,6 +25,7 @@ from tiers.layers import LayerSpec
 
 from ..lag import LoopLagMonitor
 from ..store import Store
+from .bench import _best_replay
 from .oracle import LruPrefixCache
 from .replay import replay
 from .trace import TraceRequest
@@ -44,20 +45,9 @@ def _config(tiers: Sequence[int], directory: str | None, fsync: bool = False, pa
                        persist_on_close=False)
 
 
-def _bare(requests: Sequence[TraceRequest], capacity: int, rounds: int = 3) -> float:
+def _bare(requests: Sequence[TraceRequest], capacity: int) -> float:
     """Best blocks/s of a few fresh bare-LRU replays of ``requests``."""
-    blocks = sum(len(r.hash_ids) for r in requests)
-    best = 0.0
-    for _ in range(rounds):
-        lru = LruPrefixCache(capacity)
-        t0 = time.perf_counter()
-        for r in requests:
-            try:
-                lru.request(r.hash_ids)
-            except ValueError:
-                pass
-        best = max(best, blocks / (time.perf_counter() - t0))
-    return best
+    return _best_replay(lambda: LruPrefixCache(capacity), requests)[1]
 
 
 async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str,
