@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cassert>
+#include <stdexcept>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -55,6 +56,7 @@ class BlockIndex {
       blocks[id] = Block();
       for (int lc = 0; lc < n_lcs_; ++lc) page(id, lc) = -1;
     } else {
+      if (blocks.size() >= kMaxBlocks) throw std::length_error("the prefix index is full (2**26 blocks)");
       id = int32_t(blocks.size());
       blocks.emplace_back();
       pages.insert(pages.end(), n_lcs_, -1);
@@ -78,11 +80,13 @@ class BlockIndex {
   }
 
   int32_t find(const Key& k) const {
+    uint64_t h = k.hash();
+    uint32_t fp = fingerprint(h);
     size_t mask = table_.size() - 1;
-    for (size_t i = k.hash() & mask;; i = (i + 1) & mask) {
-      int32_t b = table_[i];
-      if (b < 0) return -1;
-      if (blocks[b].key == k) return b;
+    for (size_t i = h & mask;; i = (i + 1) & mask) {
+      uint32_t e = table_[i];
+      if (e == kEmpty) return -1;
+      if ((e >> kIdBits) == fp && blocks[e & kIdMask].key == k) return int32_t(e & kIdMask);
     }
   }
 
@@ -93,10 +97,7 @@ class BlockIndex {
     x.indexed = true;
     ++x.refs;
     if ((count_ + 1) * 4 > table_.size() * 3) rehash(table_.size() * 2);
-    size_t mask = table_.size() - 1;
-    size_t i = x.key.hash() & mask;
-    while (table_[i] >= 0) i = (i + 1) & mask;
-    table_[i] = b;
+    place(b, x.key.hash());
     ++count_;
     if (x.parent >= 0) {
       Block& p = blocks[x.parent];
@@ -115,24 +116,24 @@ class BlockIndex {
     x.indexed = false;
     size_t mask = table_.size() - 1;
     size_t i = x.key.hash() & mask;
-    while (table_[i] != b) {
-      assert(table_[i] >= 0);
+    while ((table_[i] & kIdMask) != uint32_t(b) || table_[i] == kEmpty) {
+      assert(table_[i] != kEmpty);
       i = (i + 1) & mask;
     }
     // backward-shift deletion: no tombstones, probes stay short
     size_t j = i;
     for (;;) {
       j = (j + 1) & mask;
-      int32_t c = table_[j];
-      if (c < 0) break;
-      size_t home = blocks[c].key.hash() & mask;
+      uint32_t c = table_[j];
+      if (c == kEmpty) break;
+      size_t home = blocks[c & kIdMask].key.hash() & mask;
       bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
       if (movable) {
         table_[i] = c;
         i = j;
       }
     }
-    table_[i] = -1;
+    table_[i] = kEmpty;
     --count_;
     if (x.parent >= 0 && blocks[x.parent].indexed) {   // an unindexed parent has let go of its children
       if (x.prev_sibling >= 0) blocks[x.prev_sibling].next_sibling = x.next_sibling;
@@ -145,11 +146,11 @@ class BlockIndex {
 
   template <class F>
   void for_each_indexed(F f) const {
-    for (int32_t b : table_)
-      if (b >= 0) f(b);
+    for (uint32_t e : table_)
+      if (e != kEmpty) f(int32_t(e & kIdMask));
   }
 
-  size_t table_bytes() const { return table_.capacity() * sizeof(int32_t); }
+  size_t table_bytes() const { return table_.capacity() * sizeof(uint32_t); }
 
   // Room for n blocks without reallocating (address space only: pages are touched as used).
   void reserve(size_t n) {
@@ -158,21 +159,33 @@ class BlockIndex {
   }
 
  private:
+  // A map entry: the block id in the low kIdBits, 6 bits of its key's hash
+  // above (not the bits that pick the bucket), so a probe rarely reads a
+  // block's key that cannot match (each such read is a cache miss).
+  static constexpr int kIdBits = 26;
+  static constexpr uint32_t kIdMask = (uint32_t(1) << kIdBits) - 1;
+  static constexpr uint32_t kEmpty = ~uint32_t(0);
+  static constexpr size_t kMaxBlocks = kIdMask;        // kIdMask itself would read as empty with fp 63
+
+  static uint32_t fingerprint(uint64_t h) { return uint32_t(h >> 58); }
+
+  void place(int32_t b, uint64_t h) {
+    size_t mask = table_.size() - 1;
+    size_t i = h & mask;
+    while (table_[i] != kEmpty) i = (i + 1) & mask;
+    table_[i] = uint32_t(b) | (fingerprint(h) << kIdBits);
+  }
+
   void rehash(size_t n) {
-    std::vector<int32_t> old;
+    std::vector<uint32_t> old;
     old.swap(table_);
-    table_.assign(n, -1);
-    size_t mask = n - 1;
-    for (int32_t b : old) {
-      if (b < 0) continue;
-      size_t i = blocks[b].key.hash() & mask;
-      while (table_[i] >= 0) i = (i + 1) & mask;
-      table_[i] = b;
-    }
+    table_.assign(n, kEmpty);
+    for (uint32_t e : old)
+      if (e != kEmpty) place(int32_t(e & kIdMask), blocks[e & kIdMask].key.hash());
   }
 
   int n_lcs_;
-  std::vector<int32_t> table_;   // open addressing, linear probing; -1 empty; load <= 3/4
+  std::vector<uint32_t> table_;  // open addressing, linear probing; kEmpty or (fingerprint, id); load <= 3/4
   size_t count_ = 0;
   std::vector<int32_t> free_;
 };
