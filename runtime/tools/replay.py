@@ -116,34 +116,37 @@ async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency:
     res = ReplayResult()
     writer = PageWriter(store) if content else None
     lag = LoopLagMonitor().start()
-    sem = asyncio.Semaphore(max(1, concurrency))
     t0 = time.perf_counter()
 
     finished = asyncio.Condition()
-    in_flight = 0
+    in_flight = waiting = 0
 
     async def one(req: TraceRequest) -> None:
-        nonlocal in_flight
-        async with sem:
-            in_flight += 1
-            try:
-                for attempt in range(8):
-                    try:
-                        await serve(req, first=attempt == 0)
+        nonlocal in_flight, waiting
+        in_flight += 1
+        try:
+            for attempt in range(8):
+                try:
+                    await serve(req, first=attempt == 0)
+                    break
+                except OutOfPagesError:
+                    # the pool is locked by requests in flight: wait for one to finish, as a server queues
+                    if in_flight <= 1 or attempt == 7:
+                        res.errors["OutOfPagesError"] += 1
                         break
-                    except OutOfPagesError:
-                        # the pool is locked by requests in flight: wait for one to finish, as a server queues
-                        if in_flight <= 1 or attempt == 7:
-                            res.errors["OutOfPagesError"] += 1
-                            break
+                    waiting += 1
+                    try:
                         async with finished:
                             await finished.wait()
-            finally:
-                in_flight -= 1
+                    finally:
+                        waiting -= 1
+        finally:
+            in_flight -= 1
+            if waiting:                     # wake the requests that wait for room, only when there are some
                 async with finished:
                     finished.notify_all()
-            if progress is not None:
-                progress(1)
+        if progress is not None:
+            progress(1)
 
     async def serve(req: TraceRequest, first: bool) -> None:
         keys = list(req.hash_ids)
@@ -186,22 +189,33 @@ async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency:
                 if progress is not None:
                     progress(1)
         else:
-            tasks = []
+            # at most `concurrency` requests in flight: the next starts when one ends (no task waits
+            # in a queue of its own, so a finishing request costs O(1), not a pass over all of them)
+            room = asyncio.Semaphore(max(1, concurrency))
+            running: set[asyncio.Task] = set()
+            failures: list[BaseException] = []
+
+            def ended(t: asyncio.Task) -> None:
+                running.discard(t)
+                room.release()
+                if not t.cancelled() and t.exception() is not None:
+                    failures.append(t.exception())
             base = requests[0].timestamp if requests else 0.0
             for req in requests:
+                if failures:
+                    break
                 if honor_timestamps:
                     delay = (req.timestamp - base) / 1000.0 / speed - (time.perf_counter() - t0)
                     if delay > 0:
                         await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(one(req)))
-                if len(tasks) >= 4 * concurrency:
-                    done = [t for t in tasks if t.done()]
-                    for t in done:
-                        t.result()
-                    tasks = [t for t in tasks if not t.done()]
-                    if len(tasks) >= 4 * concurrency:
-                        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.gather(*tasks)
+                await room.acquire()
+                t = asyncio.ensure_future(one(req))
+                running.add(t)
+                t.add_done_callback(ended)
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+            if failures:
+                raise failures[0]
     finally:
         res.seconds = time.perf_counter() - t0
         await lag.stop()
