@@ -77,15 +77,18 @@ class LagRecorder:
 
 class LoopLagMonitor:
     """Ticks every ``interval`` seconds on the running loop and records each tick's lateness."""
-    __slots__ = ("interval", "recorder", "_clock", "_loop", "_handle", "_due")
+    __slots__ = ("interval", "recorder", "observe", "_clock", "_loop", "_handle", "_due")
 
     def __init__(self, interval: float = 0.005, *, capacity: int = DEFAULT_CAPACITY,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 observe: Callable[[float], None] | None = None) -> None:
+        """``observe``: also called with each sample in seconds (a metrics histogram's observe)."""
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval}")
         self.interval = interval
         self._clock = clock
         self.recorder = LagRecorder(capacity)
+        self.observe = observe
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
@@ -111,7 +114,7 @@ class LoopLagMonitor:
     def _tick(self) -> None:
         now = self._clock()
         late = now - self._due
-        self.recorder.record(late if late > 0.0 else 0.0)
+        self._record(late if late > 0.0 else 0.0)
         iv = self.interval
         due = self._due + iv
         if due <= now:      # a stall swallowed slots: resume at the first one still ahead
@@ -128,7 +131,12 @@ class LoopLagMonitor:
         handle.cancel()
         late = self._clock() - self._due
         if late > 0.0:
-            self.recorder.record(late)
+            self._record(late)
+
+    def _record(self, lag: float) -> None:
+        self.recorder.record(lag)
+        if self.observe is not None:
+            self.observe(lag)
 
     async def stop(self) -> None:
         # No await inside: a cancellation pending on the caller cannot interrupt it.

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -80,13 +79,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 import runtime  # noqa: E402
+from runtime.lag import LoopLagMonitor  # noqa: E402
 from runtime.tools.cli import at_least, tune_gc  # noqa: E402
 from runtime.migration import index_tensor  # noqa: E402
 
 log = logging.getLogger("kvtier.serve")
 
-LAG_INTERVAL = 0.010          # the lag monitor sleeps this long and records the overshoot
-LAG_WINDOW = 2000             # samples kept for the p50/p99 gauges (~20 s)
+LAG_INTERVAL = 0.010          # the lag monitor's tick: each records how late it ran against its schedule
 SHUTDOWN_TIMEOUT = 5.0        # seconds in-flight requests get at shutdown
 MAX_BODY = 8 << 20            # bytes of request body accepted
 
@@ -243,40 +242,19 @@ class Session:
         self.created = time.monotonic()
 
 
-class LagMonitor:
-    """Event-loop lag: sleep ``interval`` and record how late the wake-up is."""
+class LagMonitor(LoopLagMonitor):
+    """runtime.lag's monitor (lateness against a fixed schedule, so a stall
+    is seen in full), feeding a Prometheus histogram with every sample."""
 
     def __init__(self, histogram: Histogram, interval: float = LAG_INTERVAL) -> None:
-        self.interval = interval
-        self.samples: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
-        self.histogram = histogram
-        self.task: asyncio.Task | None = None
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            t0 = loop.time()
-            await asyncio.sleep(self.interval)
-            lag = max(0.0, loop.time() - t0 - self.interval)
-            self.samples.append(lag)
-            self.histogram.observe(lag)
-
-    def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run(), name="kvtier-lag-monitor")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        super().__init__(interval, observe=histogram.observe)
 
     def quantiles(self) -> dict[str, float]:
-        data = sorted(self.samples)
-        if not data:
+        """p50, p99 and the longest stall, in seconds (empty before the first sample)."""
+        p = self.percentiles_ms()
+        if not p["count"]:
             return {}
-        def q(x: float) -> float:
-            return data[min(len(data) - 1, int(x * len(data)))]
-        return {"0.5": q(0.5), "0.99": q(0.99), "1": data[-1]}
+        return {"0.5": p["p50"] / 1e3, "0.99": p["p99"] / 1e3, "1": p["max"] / 1e3}
 
 
 class StoreCollector:
@@ -342,8 +320,8 @@ class StoreCollector:
         yield GaugeMetricFamily("kvtier_open_sequences", "Sequences open through this server",
                                 value=len(st.sessions))
         lag = GaugeMetricFamily("kvtier_event_loop_lag_seconds",
-                                f"Event-loop lag over the last {LAG_WINDOW} samples "
-                                f"(overshoot of a {LAG_INTERVAL * 1000:.0f} ms sleep)", labels=["quantile"])
+                                f"Event-loop lag: how late a {LAG_INTERVAL * 1000:.0f} ms ticker runs against its "
+                                "schedule (quantile 1: the longest stall)", labels=["quantile"])
         for q, v in st.lag.quantiles().items():
             lag.add_metric([q], v)
         yield lag
@@ -361,7 +339,7 @@ class ServerState:
         self.ids = itertools.count(1)
         self.registry = CollectorRegistry(auto_describe=False)
         self.lag = LagMonitor(Histogram(
-            "kvtier_event_loop_lag_overshoot_seconds", "Event-loop lag samples (overshoot of a 10 ms sleep)",
+            "kvtier_event_loop_lag_overshoot_seconds", "Event-loop lag samples (lateness of a 10 ms ticker)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=self.registry))
         self.requests = Counter("kvtier_http_requests", "HTTP requests by route and status",

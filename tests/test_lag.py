@@ -175,3 +175,14 @@ def test_recorder_percentiles_from_a_uniform_reservoir():
     assert p["max"] == pytest.approx(100 * (n - 1) / n, abs=1e-6)
     with pytest.raises(ValueError):
         LagRecorder(capacity=0)
+
+
+async def test_observe_gets_every_sample_a_stall_included():
+    """serve.py feeds its Prometheus histogram through ``observe``: the
+    stall must reach it too, not only the monitor's own percentiles."""
+    seen: list[float] = []
+    mon = LoopLagMonitor(0.005, observe=seen.append).start()
+    time.sleep(0.3)                         # a stall right after start, before any tick ran
+    await asyncio.sleep(0.03)
+    await mon.stop()
+    assert len(seen) == mon.percentiles_ms()["count"] and max(seen) >= 0.25

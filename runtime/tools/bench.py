@@ -191,7 +191,6 @@ async def bench_replay(trace: str, limit: int | None, directory: str) -> dict:
     report_skipped(trace, problems)
     if not requests:
         raise UsageError(f"no requests in trace {trace!r}")
-    blocks = sum(len(r.hash_ids) for r in requests)
     g, h, d = 4096, 16384, 65536
     oracle, bare = _best_replay(lambda: LruPrefixCache(g + h + d), requests)
     _, lean = _best_replay(lambda: TieredLruBound((g, h, d)), requests)
