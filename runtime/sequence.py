@@ -109,7 +109,8 @@ class Sequence:
             raise UsageError("another acquire or extend of this sequence is running")
         fences = self.store._extend_now(self, num_blocks)
         if fences is not None:
-            await wait_events(fences)       # a cancelled wait leaves the pages placed and owned: no leak
+            if fences:
+                await wait_events(fences)   # a cancelled wait leaves the pages placed and owned: no leak
             return
         await self.store._run_exclusive(self, self.store._extend(self, num_blocks), self.store._undo_extend)
 
@@ -176,7 +177,8 @@ class Sequence:
         the pages: no move copies them before it is done."""
         self._check_open()
         self.store._check_stream(stream)
-        await self._settle()
+        if self.busy:
+            await self._settle()
         self.store._release(self, stream)
 
     async def close(self) -> None:
@@ -187,7 +189,8 @@ class Sequence:
         if self.store.closed:                # the store let go of every page when it closed
             self.closed = True
             return
-        await self._settle()
+        if self.busy:
+            await self._settle()
         if not self.closed:
             self.store._close_sequence(self)
 
