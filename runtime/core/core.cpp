@@ -584,20 +584,23 @@ Ids Core::prefetch_pages(int32_t s) {
 
 // -- commit ------------------------------------------------------------------------------
 
-int32_t Core::commit_conflict(int32_t s, int32_t n) {
+int32_t Core::commit_conflict(int32_t s, int32_t n, bool& all_new) {
   Seq& q = live_seq(s);
   require(n <= int32_t(q.blocks.size()) && n <= int32_t(q.keys.size()), "commit past the sequence's blocks or keys");
+  all_new = false;
   if (n <= q.committed) return -1;
-  // the common case: every key new, none repeated
+  // the common case: every key new, none repeated (equal hashes take the exact walk below)
   bool known = false;
   for (int32_t i = q.committed; i < n && !known; ++i) known = index_.find(q.keys[i]) >= 0;
   if (!known) {
-    std::vector<Key> sorted(q.keys.begin() + q.committed, q.keys.begin() + n);
-    auto less = [](const Key& a, const Key& b) {
-      return a.tag != b.tag ? a.tag < b.tag : std::memcmp(a.bytes, b.bytes, 16) < 0;
-    };
-    std::sort(sorted.begin(), sorted.end(), less);
-    if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return -1;
+    std::vector<uint64_t> hashes;
+    hashes.reserve(size_t(n - q.committed));
+    for (int32_t i = q.committed; i < n; ++i) hashes.push_back(q.keys[i].hash());
+    std::sort(hashes.begin(), hashes.end());
+    if (std::adjacent_find(hashes.begin(), hashes.end()) == hashes.end()) {
+      all_new = true;
+      return -1;
+    }
   }
   struct KeyHash {
     size_t operator()(const Key& k) const { return size_t(k.hash()); }
@@ -656,7 +659,8 @@ void Core::adopt(int32_t node, int32_t s, int32_t i) {
 
 int32_t Core::commit(int32_t s, int32_t n) {
   Seq& q = live_seq(s);
-  int32_t bad = commit_conflict(s, n);
+  bool all_new;                   // no key from committed to n is indexed or repeated: no lookups below
+  int32_t bad = commit_conflict(s, n, all_new);
   if (bad >= 0) return bad;
   int32_t start = q.committed;
   int nl = n_lcs();
@@ -672,7 +676,7 @@ int32_t Core::commit(int32_t s, int32_t n) {
       int32_t parent = i ? q.blocks[i - 1] : -1;
       if (parent >= 0 && !index_.blocks[parent].indexed) break;   // an ancestor was dropped meanwhile
       const Key& key = q.keys[i];
-      int32_t node = index_.find(key);
+      int32_t node = all_new ? -1 : index_.find(key);
       if (node < 0) {
         Block& blk = index_.blocks[b];
         blk.key = key;

@@ -233,7 +233,7 @@ class Core {
   void needed(const Seq& q, std::vector<std::pair<int32_t, int32_t>>& out) const;
   Ids needed_pages(const Seq& q) const;           // the row's page (or -1) of each needed (block, lc)
   bool reusable(const Ids& path, int32_t k) const;
-  int32_t commit_conflict(int32_t s, int32_t n);
+  int32_t commit_conflict(int32_t s, int32_t n, bool& all_new);
   void adopt(int32_t node, int32_t s, int32_t i);
   void published_cold(int32_t id);
   Ids end_claims(const Ids& pages, Ids& live);

@@ -93,7 +93,7 @@ class BlockIndex {
   // Index block `b` (its key set, not indexed yet) under its parent.
   void insert(int32_t b) {
     Block& x = blocks[b];
-    assert(!x.indexed && x.has_key && find(x.key) < 0);
+    assert(!x.indexed && x.has_key && find(x.key) < 0);     // (debug builds: the caller's promise)
     x.indexed = true;
     ++x.refs;
     if ((count_ + 1) * 4 > table_.size() * 3) rehash(table_.size() * 2);
