@@ -314,10 +314,30 @@ class Store:
         self._check()
         if n > self.max_extend:
             self._extend_counts(n)              # raises, naming the group
-        fences = self.core.extend_now(seq.sid, n)
+        core = self.core
+        fences = core.extend_now(seq.sid, n)
+        if fences is None and self.last_tier == GPU and self._drop_for(n):
+            fences = core.extend_now(seq.sid, n)
         for per_block, reclaimer in self.gpu_reclaimers:    # wake below the reserve (counting what is still needed)
             reclaimer.kick_after(0 if fences is not None else n * per_block)
         return fences and self.events.all(fences)
+
+    def _drop_for(self, n: int) -> bool:
+        """A GPU-only store makes room for ``n`` more blocks by dropping its
+        least recent pages, synchronously (a drop waits for nothing): the
+        common eviction of such a store without a task. False, with nothing
+        dropped, where some group lacks the victims (the slow path reports it)."""
+        core = self.core
+        short = {g: n * k - core.free(GPU, g) for g, k in self.lcs_per_gpu_group.items()}
+        short = {g: k for g, k in short.items() if k > 0}
+        if any(core.queue_len(GPU, g) < k for g, k in short.items()):
+            return False
+        for g, k in short.items():
+            victims, _ = core.pick_victims(GPU, g, k, 0)     # no futures: nothing can wait on them
+            claims, freed = core.drop_victims(GPU, victims)
+            self.claims.settle(claims)
+            core.give_back(GPU, g, freed)                    # each with the fence of its last reader
+        return True
 
     async def _extend(self, seq: Sequence, n: int) -> int:
         self._check()

@@ -292,3 +292,24 @@ def test_a_page_held_by_65535_sequences_is_not_matched_by_one_more():
     for sid, _, _ in sids:
         c.close(sid)
     c.check()
+
+
+@pytest.mark.parametrize("layers", [None, "two"])
+async def test_a_gpu_only_store_drops_in_line_and_serves_only_exact_pages(layers):
+    """A GPU-only store makes room by dropping without a task (_drop_for):
+    every page a later request matches must still be the bytes written."""
+    from runtime.tools.replay import replay
+    from runtime.tools.trace import TraceRequest
+    import random
+    rng = random.Random(5)
+    reqs = []
+    for i in range(120):
+        base = rng.randrange(12)
+        reqs.append(TraceRequest(float(i), 0, 0, [base * 1000 + j for j in range(rng.randrange(1, 7))]
+                                 + [100000 + i * 10 + j for j in range(rng.randrange(0, 3))]))
+    cfg = config(gpu=24 if layers else 12, layers=two_life_cycles() if layers else None)   # 2 pages a block
+    async with Store.open(cfg) as store:
+        res = await replay(store, reqs, content=True, verify=True)
+        store.check_consistency()
+        assert res.corrupt_pages == 0 and res.verified_pages > 50 and res.hit_blocks > 0
+        assert store.stats()["drops"] > 0 and not res.errors
