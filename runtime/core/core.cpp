@@ -422,22 +422,10 @@ void Core::needed(const Seq& q, std::vector<std::pair<int32_t, int32_t>>& out) c
 bool Core::acquire_now(int32_t s) {
   Seq& q = live_seq(s);
   require(!q.acquired, "sequence is already acquired");
-  std::vector<std::pair<int32_t, int32_t>> need;
-  needed(q, need);
-  int nl = n_lcs();
-  Ids pages;
-  pages.reserve(need.size());
-  for (auto [b, lc] : need) {
-    int32_t id = q.pages[size_t(b) * nl + lc];
-    if (id < 0) return false;
-    const Page& p = pt_[id];
-    if (p.dead || p.tier != GPU || p.claim) return false;
-    pages.push_back(id);
-  }
-  for (int32_t id : pages) {
-    ++pt_[id].locks;
-    unqueue(id);
-  }
+  Ids pages = needed_pages(q);
+  for (int32_t id : pages)
+    if (id < 0 || pt_[id].dead || pt_[id].tier != GPU || pt_[id].claim) return false;
+  lock(pages);
   for (int32_t id : pages) touch(id);
   q.acquired = true;
   q.locked = std::move(pages);
@@ -500,22 +488,17 @@ Ids Core::fill_holes(int32_t s, const Ids& holes, std::vector<Ids>& slots) {
 }
 
 Ids Core::lock_needed(int32_t s) {
-  Seq& q = live_seq(s);
-  std::vector<std::pair<int32_t, int32_t>> need;
-  needed(q, need);
-  int nl = n_lcs();
-  Ids pages;
-  pages.reserve(need.size());
-  for (auto [b, lc] : need) {
-    int32_t id = q.pages[size_t(b) * nl + lc];
-    require(id >= 0 && !pt_[id].dead, "lock_needed: a needed page is missing");
-    pages.push_back(id);
-  }
+  Ids pages = needed_pages(live_seq(s));
+  for (int32_t id : pages) require(id >= 0 && !pt_[id].dead, "lock_needed: a needed page is missing");
+  lock(pages);
+  return pages;
+}
+
+void Core::lock(const Ids& pages) {
   for (int32_t id : pages) {
     ++pt_[id].locks;
     unqueue(id);
   }
-  return pages;
 }
 
 void Core::finish_acquire(int32_t s, const Ids& pages) {

@@ -232,6 +232,7 @@ class Core {
   void maybe_recycle(int32_t id) { if (pt_.recyclable(id)) { set_block(id, -1); pt_.recycle(id); } }
   void needed(const Seq& q, std::vector<std::pair<int32_t, int32_t>>& out) const;
   Ids needed_pages(const Seq& q) const;           // the row's page (or -1) of each needed (block, lc)
+  void lock(const Ids& pages);                    // LOCKED: out of their queues
   bool reusable(const Ids& path, int32_t k) const;
   int32_t commit_conflict(int32_t s, int32_t n, bool& all_new);
   void adopt(int32_t node, int32_t s, int32_t i);
