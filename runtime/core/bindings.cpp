@@ -391,7 +391,6 @@ NB_MODULE(_core, m) {
              d["discarded"] = k.discarded;
              return d;
            })
-      .def("add_discarded", [](Core& c, int64_t n) { c.counters().discarded += n; })
       .def("state_counts", &Core::state_counts)
       .def("indexed_blocks", &Core::indexed_blocks)
       .def("live_pages", &Core::live_pages)

@@ -204,7 +204,6 @@ class Core {
   size_t live_blocks() const;
   size_t memory_bytes() const;
   const Counters& counters() const { return counters_; }
-  Counters& counters() { return counters_; }
   int64_t clock() const { return clock_; }
   // Per (tier, group): [locked, held, droppable] page counts.
   std::vector<std::vector<std::vector<int64_t>>> state_counts() const;

@@ -1653,9 +1653,6 @@ class ModelCore:
         return {"hits": tuple(c.hits), "lookup_blocks": c.lookup_blocks, "drops": c.drops,
                 "recovered": c.recovered, "orphaned": c.orphaned, "discarded": c.discarded}
 
-    def add_discarded(self, n: int) -> None:
-        self.counters_.discarded += n
-
     def state_counts(self) -> list[list[list[int]]]:
         """Per (tier, group): [locked, held, droppable] page counts."""
         out = []
