@@ -1,0 +1,57 @@
+// tiers._native: the data plane's native kernels (nanobind). Each call works
+// on a whole batch with the GIL released, so that disk I/O threads do not
+// hold the interpreter per page.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "xxh64.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Rows = nb::ndarray<const uint8_t, nb::ndim<2>, nb::device::cpu>;
+using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu>;
+using U64 = nb::ndarray<uint64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+
+// XXH64 of rows[index[i]] (or of every row when index is None), each row's
+// bytes contiguous; rows may have any row stride.
+nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
+  if (rows.shape(1) && rows.stride(1) != 1) throw nb::value_error("xxh64_rows: each row's bytes must be contiguous");
+  const size_t n_rows = rows.shape(0), width = rows.shape(1);
+  const int64_t row_stride = rows.stride(0);
+  const size_t n = index ? index->shape(0) : n_rows;
+  const int64_t idx_stride = index ? index->stride(0) : 0;
+  if (index)
+    for (size_t i = 0; i < n; ++i) {
+      int64_t r = index->data()[int64_t(i) * idx_stride];
+      if (r < 0 || size_t(r) >= n_rows) throw nb::index_error("xxh64_rows: row index out of range");
+    }
+  // The result is a numpy array made first, so that numpy owns its memory.
+  nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "uint64");
+  uint64_t* dst = nb::cast<U64>(out).data();
+  {
+    nb::gil_scoped_release nogil;
+    const uint8_t* base = rows.data();
+    for (size_t i = 0; i < n; ++i) {
+      int64_t r = index ? index->data()[int64_t(i) * idx_stride] : int64_t(i);
+      dst[i] = kvtier::xxh64(base + r * row_stride, width, seed);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "kvtier's data-plane kernels: batched page checksums";
+  m.def("xxh64_rows", &xxh64_rows, "rows"_a, "index"_a = nb::none(), "seed"_a = 0,
+        "XXH64 of each row (or of rows[index]) as a uint64 numpy array; the GIL is released while hashing.");
+  m.def("xxh64", [](nb::bytes data, uint64_t seed) { return kvtier::xxh64(data.c_str(), data.size(), seed); },
+        "data"_a, "seed"_a = 0, "XXH64 of a bytes object.");
+}
