@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
-from typing import Any, Coroutine, Iterator
+from typing import Any, Coroutine
 
 try:
     import uvloop
@@ -16,18 +14,3 @@ def run(main: Coroutine[Any, Any, Any], *, use_uvloop: bool = True) -> Any:
     if use_uvloop and uvloop is not None:
         return uvloop.run(main)
     return asyncio.run(main)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """For bulk work off the loop that allocates many long-lived objects
-    (replaying a disk journal, rebuilding the index): a cyclic-GC pass it
-    triggers would scan them all with the GIL held and stall the event loop
-    for hundreds of milliseconds. Collection resumes afterwards."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

@@ -35,7 +35,6 @@ FEW_RUNS = 4             # above this many runs, host rows move by fancy indexin
 INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
-ANONYMOUS_KEY = b""      # disk record key of a page that must not be recovered
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,7 +47,7 @@ class Batch:
     src_slots: list[int]
     lcs: list[int]                      # life cycle per page
     deps: set                           # the pages' ready events (few distinct: one per batch that placed them)
-    records: Callable[[], list]         # their disk journal records (called on the loop, for writes to disk)
+    records: Callable[[], np.ndarray]   # their disk journal records (called on the loop, for writes to disk)
 
     def __len__(self) -> int:
         return len(self.src_slots)
@@ -280,7 +279,7 @@ class MigrationEngine:
         return ev
 
     def _spill(self, src: torch.Tensor, src_slots: list[int], group: int, dst_slots: Sequence[int],
-                    records: list) -> None:
+                    records: np.ndarray) -> None:
         """Host rows to disk, one disk write (one journal frame, one barrier)
         per chunk of up to SPILL_CHUNK_BYTES: a chunk of consecutive source
         slots goes straight from the slab, a scattered one is gathered first

@@ -10,9 +10,10 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tiers.errors import KvtierError, OutOfPagesError
 
-from .loop import gc_paused
 from .pages import DISK
 
 if TYPE_CHECKING:
@@ -48,37 +49,18 @@ async def persist(store: "Store") -> None:
     await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
 
-RECOVER_CHUNK = 16384       # records handed to the core per call (each call holds the GIL)
-
-
-def _columns(recovered) -> tuple:
-    """Recovered pages as the columns the core takes."""
-    keys, parents, depth, lc, group, slot, priority, gen = [], [], [], [], [], [], [], []
-    for rp in recovered:
-        rec = rp.record
-        keys.append(rec.key)
-        parents.append(rec.parent)
-        depth.append(rec.depth)
-        lc.append(rec.life_cycle)
-        group.append(rp.group)
-        slot.append(rp.slot)
-        priority.append(rec.priority)
-        gen.append(rp.generation)
-    return keys, parents, depth, lc, group, slot, priority, gen
-
-
 async def index_recovered(store: "Store") -> None:
     """Rebuild the index from the pages the disk tier recovered, off the
-    loop (the core releases the GIL while it works): unrecoverable and
-    unreachable pages are forgotten on disk."""
+    loop (the records are arrays, and the core releases the GIL while it
+    reads and indexes them): unrecoverable and unreachable pages are
+    forgotten on disk."""
     disk, core = store.disk, store.core
 
     def rebuild():
-        recovered = disk.recovered
-        with gc_paused():
-            for i in range(0, len(recovered), RECOVER_CHUNK):     # the loop gets the GIL between chunks
-                core.recover_add(*_columns(recovered[i:i + RECOVER_CHUNK]))
-            return core.recover()
+        groups, records = disk.recovered_records()
+        core.recover_add(records.view(np.uint8), groups)
+        del records
+        return core.recover()
     forget = await asyncio.get_running_loop().run_in_executor(None, rebuild)
     for g, slots in enumerate(forget):
         if slots:

@@ -19,12 +19,14 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
 from tiers.config import StoreConfig
 from tiers.device import Device
 from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
 from tiers.grouping import Layout
+from tiers.journal import RECORD
 from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
 from tiers.streams import CudaEvent
@@ -32,8 +34,7 @@ from tiers.streams import CudaEvent
 from .core import Core, CoreError, Pages
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
-from .loop import gc_paused
-from .migration import ANONYMOUS_KEY, Batch, MigrationEngine
+from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, TIER_NAMES
 from .readiness import wait_events
 from .reclaim import Reclaimer
@@ -46,12 +47,6 @@ HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a 
 
 _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, ReusePolicy.OPTIONAL: 2,
                ReusePolicy.PRIVATE: 3}
-
-try:
-    from tiers.disk import PageRecord
-except ImportError:   # pragma: no cover
-    PageRecord = None
-
 
 class Store:
     def __init__(self, cfg: StoreConfig) -> None:
@@ -154,10 +149,9 @@ class Store:
         if cfg.disk is not None:
             from tiers.disk import DiskTier
             d = cfg.disk
-            with gc_paused():               # the journal replay builds a record per page
-                self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb, cfg.hash_salt),
-                                          list(zip(cold_bytes, n["disk"])), on_mismatch=d.on_mismatch,
-                                          o_direct=d.o_direct, min_free=d.min_free, fsync=d.fsync)
+            self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb, cfg.hash_salt),
+                                      list(zip(cold_bytes, n["disk"])), on_mismatch=d.on_mismatch,
+                                      o_direct=d.o_direct, min_free=d.min_free, fsync=d.fsync)
         self.slabs = [gpu, host]
         capacity = [[p.slots for p in gpu], [p.slots for p in host],
                     list(n["disk"]) if cfg.disk is not None else []]
@@ -495,9 +489,9 @@ class Store:
         """Forget disk slots, in order with the writes that may reuse them."""
         self.engine.io_write.submit(lambda: self.disk.free(group, slots), event=False)
 
-    def records(self, pages: Pages) -> list:
-        """The disk journal records of ``pages`` (anonymous for uncommitted ones)."""
-        return self.core.records(pages, PageRecord, ANONYMOUS_KEY)
+    def records(self, pages: Pages) -> np.ndarray:
+        """The disk journal records of ``pages`` (anonymous for uncommitted ones), one array."""
+        return np.frombuffer(self.core.disk_records(pages), dtype=RECORD)
 
     # -- claims, eviction and moves ------------------------------------------------------------
     def _claim(self, pages: Pages, to_tier: int, propagate: bool = True) -> None:

@@ -33,6 +33,7 @@ import json
 import pathlib
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -40,6 +41,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from runtime.core import Core, CoreError, Pages as CPages
 from runtime.core import _core
 from runtime.core.model import CoreError as MCoreError, ModelCore, Pages as MPages, chain_block_keys
+from tiers import journal
+from tiers.errors import UsageError
 
 GPU, HOST, DISK = 0, 1, 2
 REQUIRED, SINK_REQUIRED_ONLY, OPTIONAL, PRIVATE = 0, 1, 2, 3
@@ -135,7 +138,7 @@ QUERIES = {"free", "capacity", "used", "is_free", "queue_len", "n_groups", "coun
            "indexed_blocks", "live_pages", "live_blocks", "last_tier", "check", "page_info", "seq_pages", "find",
            "num_blocks", "committed", "acquired", "page_indices", "locked_slots", "recompute_blocks",
            "ready_events", "prefetch_pages", "claims_of", "cold_pages", "group_counts", "droppable",
-           "split_batches", "batch_view", "records", "slot_fences", "persist_candidates", "still_persistable",
+           "split_batches", "batch_view", "disk_records", "slot_fences", "persist_candidates", "still_persistable",
            "tier_pages"}
 
 
@@ -217,7 +220,7 @@ class Pair:
             for g in range(self.groups[t]):
                 pages = side.tier_pages(t, g)
                 out[("pages", t, g)] = (side.capacity(t, g), side.used(t, g), pages.tolist(), side.batch_view(pages),
-                                        side.records(pages, _record, ANON),
+                                        side.disk_records(pages),
                                         [side.page_info(pid) for pid in pages.tolist()])
         for s in seqs:
             out[("seq", s)] = (side.seq_pages(s), side.num_blocks(s), side.committed(s), side.acquired(s),
@@ -237,8 +240,46 @@ class Pair:
         self.check_result()
 
 
-def _record(key, parent, depth, lc, priority):
-    return ("record", key, parent, depth, lc, priority)
+def _key_form(key) -> tuple[int, int, int]:
+    """(lo, hi, tag) of a key as a record holds it; a key no writer could encode gets tag 200
+    (a form the core refuses), None or b'' the anonymous tag."""
+    if key is None or key == ANON:
+        return 0, 0, journal.TAG_ANONYMOUS
+    try:
+        return journal.encode_key(key)
+    except UsageError:
+        return 0, 0, 200
+
+
+def to_records(rows) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of (key, parent, depth, life cycle, group, slot, priority, generation), any values, as
+    recover_add takes them: journal records (uint8) and a group per record. Values the record cannot
+    hold are kept as a hostile journal would spell them: -1 as all ones, priorities saturated."""
+    recs = np.zeros(len(rows), dtype=journal.RECORD)
+    groups = np.zeros(len(rows), dtype=np.int32)
+    for i, (key, parent, depth, lc, group, slot, prio, gen) in enumerate(rows):
+        recs[i]["key_lo"], recs[i]["key_hi"], recs[i]["ktag"] = _key_form(key)
+        if parent is None:
+            recs[i]["ptag"] = journal.TAG_NONE
+        else:
+            lo, hi, tag = _key_form(parent)
+            recs[i]["parent_lo"], recs[i]["parent_hi"], recs[i]["ptag"] = lo, hi, 200 if tag == 255 else tag
+        recs[i]["depth"] = depth & 0xFFFFFFFF
+        recs[i]["lc"] = lc & 0xFFFF
+        recs[i]["slot"] = slot & 0xFFFFFFFF
+        recs[i]["priority"] = min(max(prio, 0), 255)
+        recs[i]["gen"] = gen
+        groups[i] = group
+    return recs.view(np.uint8), groups
+
+
+def from_records(raw: bytes) -> list[tuple]:
+    """(key, parent, depth, life cycle, priority) per record of disk_records' bytes."""
+    out = []
+    for r in np.frombuffer(raw, dtype=journal.RECORD):
+        d = journal.decode(r)
+        out.append((None if d.key == ANON else d.key, d.parent, d.depth, d.life_cycle, d.priority))
+    return out
 
 
 # -- the Store's operations, on a pair -----------------------------------------------------------------------
@@ -355,7 +396,7 @@ class Driver:
     def move_batch(self, batch: PP, dst_tier: int, g: int, dst_slots: list[int], handoff: bool) -> list[int]:
         src_tier, _src_group, src_slots, _lcs, _ready = self.call("batch_view", batch)
         self.call("slot_fences", dst_tier, g, dst_slots)
-        self.call("records", batch, _record, ANON)
+        self.call("disk_records", batch)
         if self.fail_rate and self.rng.random() < self.fail_rate:
             self.call("give_back", dst_tier, g, dst_slots)
             self.call("unclaim", batch)
@@ -535,8 +576,8 @@ class Driver:
         for g in range(len(self.capacity[DISK])):
             pages = self.call("tier_pages", DISK, g)
             _, _, slots, _, _ = self.call("batch_view", pages)
-            for (_, key, parent, depth, lc, prio), slot in zip(self.call("records", pages, _record, ANON), slots):
-                rows.append([key, parent, depth, lc, g, slot, prio, next(gen)])
+            for (key, parent, depth, lc, prio), slot in zip(from_records(self.call("disk_records", pages)), slots):
+                rows.append([key if key is not None else ANON, parent, depth, lc, g, slot, prio, next(gen)])
         rng.shuffle(rows)
         out = []
         for r in rows:
@@ -567,7 +608,7 @@ class Driver:
         fresh.calls = self.pair.calls
         for i in range(0, max(len(rows), 1), 5):        # added in chunks, as the Store does
             chunk = rows[i:i + 5]
-            fresh.call("recover_add", *([list(c) for c in zip(*chunk)] if chunk else [[] for _ in range(8)]))
+            fresh.call("recover_add", *to_records(chunk))
         forget = fresh.call("recover")
         assert len(forget) == len(self.capacity[DISK])
         self.pair = fresh
@@ -900,11 +941,11 @@ def test_recover_matches_model(layout):
         pair = Pair(*config)
         if chained:     # a well-formed tree first, so that some records are accepted
             rows = [(k, CHAINS[0][i - 1] if i else None, i, 0, 0, i, 35, i) for i, k in enumerate(CHAINS[0][:5])] + rows
-        cols = [list(c) for c in zip(*rows)] if rows else [[] for _ in range(8)]
-        pair.call("recover_add", *cols)
+        records, groups = to_records(rows)
+        pair.call("recover_add", records, groups)
         if rows:
-            try:        # columns of different lengths: refused, nothing added
-                pair.call("recover_add", *cols[:-1], cols[-1][:-1])
+            try:        # a record count that does not match the groups: refused, nothing added
+                pair.call("recover_add", records, groups[:-1])
             except Raised as e:
                 assert e.kind == "ValueError"
         pair.call("recover")
@@ -1090,7 +1131,7 @@ def test_recover_record_with_a_negative_group():
     """The first cut keyed generations by int64_t(group) << 32: a left shift of
     a negative value (undefined; UBSan aborted under scripts/sanitize.sh)."""
     pair = Pair(2, [FULL], [[0], [-1], [0]], [[2], [], [2]])
-    pair.call("recover_add", [1, 2], [None, None], [0, 0], [0, 0], [-1, 0], [0, 1], [35, 35], [1, 2])
+    pair.call("recover_add", *to_records([(1, None, 0, 0, -1, 0, 35, 1), (2, None, 0, 0, 0, 1, 35, 2)]))
     assert pair.call("recover") == [[]]
     assert pair.call("counters")["recovered"] == 1
     pair.compare_full((), [1, 2])

@@ -382,7 +382,9 @@ def test_torn_journal_tail_recovers_good_prefix(tmp_path, caplog):
         tier.close()
 
 
-def test_corrupted_journal_bytes_recover_good_prefix(tmp_path):
+def test_corrupted_journal_frame_loses_only_its_records(tmp_path):
+    """A damaged frame in the middle costs its own records; the frames after it are found by their
+    magic and replayed (issue 12: the blast radius of journal damage is one frame)."""
     img, offsets = _journal_image(tmp_path)
     jpath = os.path.join(img, "group-0.journal")
     with open(jpath, "r+b") as f:                               # a flipped byte inside the 4th batch's frame
@@ -392,25 +394,74 @@ def test_corrupted_journal_bytes_recover_good_prefix(tmp_path):
         f.write(bytes([b[0] ^ 0x40]))
     tier = open_tier(img)
     try:
-        assert sorted(p.slot for p in tier.recovered if p.group == 0) == list(range(24))
+        kept = [s for s in range(48) if not 24 <= s < 32]
+        assert sorted(p.slot for p in tier.recovered if p.group == 0) == kept
         assert len(tier.journal_errors) == 1 and tier.journal_errors[0][:2] == (0, offsets[3])
         assert "checksum" in tier.journal_errors[0][2]
-        assert os.path.getsize(jpath) < offsets[-1]             # rewritten without the bad tail
-        out = read_back(tier, 0, list(range(24)))
-        assert all(np.array_equal(out[s].numpy(), page_bytes(s, 4096)) for s in range(24))
+        out = read_back(tier, 0, kept)
+        assert all(np.array_equal(out[i].numpy(), page_bytes(s, 4096)) for i, s in enumerate(kept))
+    finally:
+        tier.close()
+    tier = open_tier(img)                                       # open compacted the repaired journal
+    try:
+        assert tier.journal_errors == [] and len([p for p in tier.recovered if p.group == 0]) == 40
     finally:
         tier.close()
 
 
-def test_garbage_journal_header_opens_empty(tmp_path):
+def test_damaged_length_field_resyncs_on_the_next_frame(tmp_path):
+    img, offsets = _journal_image(tmp_path)
+    jpath = os.path.join(img, "group-0.journal")
+    with open(jpath, "r+b") as f:                               # the 2nd batch's frame claims to be huge
+        f.seek(offsets[1] + 4)
+        f.write((1 << 30).to_bytes(4, "little"))
+    tier = open_tier(img)
+    try:
+        kept = [s for s in range(48) if not 8 <= s < 16]
+        assert sorted(p.slot for p in tier.recovered if p.group == 0) == kept
+        assert tier.journal_errors[0][:2] == (0, offsets[1])
+    finally:
+        tier.close()
+
+
+def test_compacted_journal_damage_is_bounded(tmp_path):
+    """After compaction a journal is frames of at most FRAME_RECORDS records: one damaged byte loses
+    one frame's pages, not the group's."""
+    from tiers.journal import FRAME_RECORDS
+    n = 3 * FRAME_RECORDS
+    tier = open_tier(tmp_path / "d", groups=[(64, n)])
+    try:
+        slots = list(range(n))
+        tier.write(0, slots, torch.zeros((n, 64), dtype=torch.uint8), [PageRecord(s + 1, None, 0, 0) for s in slots])
+        tier.checkpoint(0)
+        size = tier.journal_size(0)
+    finally:
+        tier.close()
+    jpath = os.path.join(tmp_path / "d", "group-0.journal")
+    assert os.path.getsize(jpath) == size
+    with open(jpath, "r+b") as f:                               # a byte in the middle of the second records frame
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 1]))
+    tier = open_tier(tmp_path / "d", groups=[(64, n)])
+    try:
+        assert len(tier.recovered) == n - FRAME_RECORDS
+    finally:
+        tier.close()
+
+
+def test_garbage_journal_header_keeps_the_records(tmp_path):
     img, _ = _journal_image(tmp_path)
     with open(os.path.join(img, "group-0.journal"), "r+b") as f:
         f.write(b"\x00\x01\x02\x03garbage!")
     tier = open_tier(img)
     try:
-        assert [p.group for p in tier.recovered] == [1, 1]
+        assert sorted(p.slot for p in tier.recovered if p.group == 0) == list(range(48))
         assert tier.journal_errors and tier.journal_errors[0][:2] == (0, 0)
-        write_keys(tier, 0, [0], [1])
+        out = read_back(tier, 0, [0, 47])
+        assert np.array_equal(out[1].numpy(), page_bytes(47, 4096))
+        write_keys(tier, 0, [48], [1])
     finally:
         tier.close()
 

@@ -9,7 +9,7 @@ Directory layout (``path``)::
     LOCK              fcntl.flock'ed while a DiskTier has the directory open; holds the pid
     HEADER            msgpack: format version, fingerprint, [[slot_bytes, slots], ...]
     group-N.seg       segment file of cold pool group N: slot k at offset k * stride
-    group-N.journal   journal of group N: framed msgpack records
+    group-N.journal   journal of group N: CRC'd frames of fixed-width records (tiers/journal.py)
 
 ``stride`` is ``slot_bytes`` rounded up to 4096, always (also when O_DIRECT is
 off), so that one directory can be reopened with either I/O mode. The quota of
@@ -21,17 +21,22 @@ are multiples of 4 KiB). The segment file grows in preallocated steps
 disk is found at allocation time (``DiskFullError``), not half-way into a
 batch.
 
-Journal. Each append is one frame: ``<u32 length><u32 crc32(payload)>`` and a
-msgpack payload. The first frame of a journal is a header map (group, format,
-``next_gen``); every later frame is a list of records, applied all or nothing:
-``[0, slot, gen, xxh3_64, key, parent, depth, life_cycle, priority]`` (a page
-was written) or ``[1, slot, gen]`` (it was freed). Generation numbers are
-monotonic per directory (all groups draw from one counter, persisted through
-the journal headers), and on replay a slot's last record wins. A torn or
-corrupted frame ends the replay: the journal is truncated to the last good
-frame, and that is reported (``journal_errors`` and a warning on
-``kvtier.disk``). Because a frame holds a whole ``write()`` batch, a crash
-never leaves half a batch in the index.
+Journal (format in ``tiers/journal.py``). Each append is one frame of 64-byte
+records: a page was written (slot, generation, checksum, block key, parent
+key, depth, life cycle, priority) or a slot was freed. The first frame is a
+header (group, format, ``next_gen``). Generation numbers are monotonic per
+directory (all groups draw from one counter, persisted through the journal
+headers), and on replay a slot's last record wins. Replay reads the records
+as arrays, a chunk of frames at a time: reopening a million pages is array
+work, and what the tier keeps per slot is one row of an array, not a Python
+object. A damaged frame (bad checksum, bad length) is skipped: the reader
+finds the next frame by its magic and goes on, so damage loses only the
+records of the frames it hits; a torn tail is truncated. Records no writer
+produces (unknown kinds or key forms, slots outside the group) are skipped
+and reported. All of it lands in ``journal_errors`` / ``discarded`` and a
+warning on ``kvtier.disk``; open compacts a journal it had to repair. Because
+a frame holds a whole ``write()`` batch, a crash never leaves half a batch in
+the index. Compaction writes frames of at most ``FRAME_RECORDS`` records.
 
 Durability order of ``write()`` (with ``fsync=True``):
 
@@ -54,7 +59,11 @@ their group, ``flush()`` or ``close()``); a crash can therefore bring back a
 page that was freed shortly before it, with its bytes intact (its checksum
 still matches), never a page with wrong bytes.
 
-Checksums (xxh3_64 of the slot's ``slot_bytes``) are verified lazily, by
+Checksums. A page's record holds the XXH64 of its ``slot_bytes`` XOR the
+page's identity (block key, life cycle, layout fingerprint; see
+``journal.identity``), so a record pointing a key at another page's bytes
+fails like damaged bytes do. They are computed in batches by the native
+``tiers._native.xxh64_rows`` with the GIL released, and verified lazily, by
 ``read()``: verifying eagerly at open would read the whole quota (up to
 terabytes) before the first request. Open checks what is cheap - journal
 integrity, that the segment exists and covers every recorded slot - and
@@ -96,31 +105,33 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
-import itertools
 import logging
 import mmap
 import os
-import struct
+import shutil
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import msgpack
 import numpy as np
 import torch
-import xxhash
 
+from . import journal
+from ._native import xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
+from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 
 log = logging.getLogger("kvtier.disk")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: binary records, identity-bound XXH64 checksums (1: msgpack records, xxh3)
 ALIGN = 4096
 GROW_STEP = 64 << 20             # segment growth step (or 1/8 of the group's size, whichever smaller)
 CHECKPOINT_FLOOR = 1 << 20       # never compact a journal smaller than this
 CHECKPOINT_RATIO = 4             # compact when the journal exceeds this many times its snapshot
+REPLAY_CHUNK = 1 << 16           # records replayed per array step at open
 PENDING_FREE_FLUSH = 8192        # journal pending frees once this many have piled up in a group
 DIRECT_MIN_STRIDE = 64 << 10    # "auto": smaller pages go through the page cache (see O_DIRECT above)
 PIECE_BYTES = 8 << 20            # one parallel pwritev/preadv covers at most this much (or one stride)
@@ -132,20 +143,8 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 
 _HEADER = "HEADER"
 _LOCK = "LOCK"
-_FRAME = struct.Struct("<II")
-_REC_WRITE = 0
-_REC_FREE = 1
 _EXT_BIGINT = 1
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)     # the filesystem (or a limit) takes no more data
-
-
-class PageRecord(NamedTuple):
-    """What the journal keeps about a page (a tuple: one is built per page moved to disk)."""
-    key: int | bytes                  # block key (msgpack-serialisable)
-    parent: int | bytes | None        # parent block key, None for the first block
-    depth: int                        # block index in the chain (0 = first block)
-    life_cycle: int                   # life cycle index
-    priority: int = 35
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,13 +177,16 @@ def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
-def _frame(obj: Any) -> bytes:
-    payload = _packb(obj)
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+def _remove(path: str) -> None:
+    """Remove a file, link or directory tree at ``path``."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _fsync_dir(path: str) -> None:
@@ -202,33 +204,23 @@ def _typed(exc: OSError, what: str) -> OSError:
     return TierIOError(exc.errno if exc.errno is not None else errno.EIO, msg)
 
 
-def _write_record(slot: int, gen: int, csum: int, r: "PageRecord") -> list:
-    """A page's journal record: the write tag, slot, generation, checksum, then the PageRecord's fields."""
-    return [_REC_WRITE, slot, gen, csum, *r]
-
-
-def _is_key(k: Any) -> bool:
-    t = type(k)         # exact types first: this runs per page written
-    return t is int or t is bytes or (isinstance(k, (int, bytes)) and not isinstance(k, bool))
-
-
-def _check_records(records: list, n: int) -> None:
-    if len(records) != n:
-        raise UsageError(f"{n} slots but {len(records)} records")
-    for r in records:
-        if type(r) is not PageRecord and not isinstance(r, PageRecord):
-            raise UsageError(f"records must be PageRecord, got {type(r).__name__}")
-        if not _is_key(r.key) or not (r.parent is None or _is_key(r.parent)):
-            raise UsageError(f"block keys must be int or bytes, got {r.key!r} / {r.parent!r}")
-
-
-def _row_block(arr: np.ndarray, rows: list[int], g: _Group) -> memoryview | None:
+def _row_block(arr: np.ndarray, rows: np.ndarray, g: _Group) -> memoryview | None:
     """Rows ``rows`` of ``arr`` as one byte buffer when they are consecutive,
     ascending and packed as the segment holds them (no padding): then a
     piece moves as one buffer instead of one vector per row."""
-    if g.pad or arr.strides[0] != g.slot_bytes or rows != list(range(rows[0], rows[0] + len(rows))):
+    first, k = int(rows[0]), len(rows)
+    if g.pad or arr.strides[0] != g.slot_bytes or int(rows[-1]) != first + k - 1 or \
+            (k > 2 and not (np.diff(rows) == 1).all()):
         return None
-    return memoryview(arr[rows[0]:rows[0] + len(rows)]).cast("B")
+    return memoryview(arr[first:first + k]).cast("B")
+
+
+def _with_gen(recs: np.ndarray) -> np.ndarray:
+    """A caller's records with a nonzero generation, so ``journal.malformed`` checks only their content."""
+    out = recs.copy()
+    out["gen"] = 1
+    out["kind"] = WRITE
+    return out
 
 
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
@@ -295,9 +287,21 @@ def _first_difference(old: Any, new: Any, path: str) -> str | None:
 # -- per-group state -----------------------------------------------------------------------------
 
 class _Group:
+    """One cold pool group's segment, journal and per-slot metadata.
+
+    Per slot (arrays indexed by slot, grown on demand up to ``slots``):
+    ``meta[s]`` is the last record applied for s (a write or a free);
+    ``live[s]`` says s holds a page, whose record is ``meta[s]``;
+    ``pending[s]``: s was freed and its free record is not journaled yet
+    (it is in ``pending_slots``/``pending_gens``), so s must not be written
+    before it is; ``forgotten[s]``: s was discarded as bad, so a later free of
+    it is a no-op. Invariants: live and pending are disjoint, live and
+    forgotten are disjoint, ``n_live == live.sum()``.
+    """
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
-                 "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "entries", "pending_free", "forgotten",
-                 "live_bytes", "lock", "broken", "pad", "direct", "dir_unsynced")
+                 "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "meta", "live", "pending", "forgotten",
+                 "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "broken", "pad", "direct",
+                 "dir_unsynced")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
         self.index = index
@@ -313,17 +317,56 @@ class _Group:
         self.journal_fd = -1
         self.size = 0                  # segment file size (allocated)
         self.journal_size = 0
-        # slot -> (PageRecord, checksum, generation, approx. journal bytes of its record)
-        self.entries: dict[int, tuple[PageRecord, int, int, int]] = {}
-        self.pending_free: dict[int, int] = {}    # slot -> generation of a free not yet journaled
-        self.forgotten: set[int] = set()          # discarded slots: a later free() of them is a no-op
-        self.live_bytes = 0
+        self.meta = np.zeros(0, dtype=RECORD)
+        self.live = np.zeros(0, dtype=bool)
+        self.pending = np.zeros(0, dtype=bool)
+        self.forgotten = np.zeros(0, dtype=bool)
+        self.pending_slots: list[np.ndarray] = []
+        self.pending_gens: list[np.ndarray] = []
+        self.n_pending = 0
+        self.n_live = 0
         self.lock = threading.Lock()
         self.broken: str | None = None
         self.dir_unsynced = False      # a journal rename awaits its directory fsync
         self.pad = bytes(self.stride - slot_bytes)            # written after each row to fill its stride
 
-    def pieces(self, sorted_slots: list[int], split: bool = True) -> list[tuple[int, int]]:
+    def reserve(self, n: int) -> None:
+        """Make the per-slot arrays cover slots < n (n <= slots)."""
+        cap = len(self.live)
+        if n <= cap:
+            return
+        new = min(self.slots, max(n, 2 * cap, 1024))
+        for name in ("meta", "live", "pending", "forgotten"):
+            old = getattr(self, name)
+            arr = np.zeros(new, dtype=old.dtype)
+            arr[:cap] = old
+            setattr(self, name, arr)
+
+    def live_bytes(self) -> int:
+        """Journal bytes a snapshot of the live records takes."""
+        return self.n_live * RECORD.itemsize
+
+    def free_records(self) -> np.ndarray:
+        """The pending frees as journal records."""
+        out = np.zeros(self.n_pending, dtype=RECORD)
+        if self.n_pending:
+            out["kind"] = FREE
+            out["slot"] = np.concatenate(self.pending_slots)
+            out["gen"] = np.concatenate(self.pending_gens)
+        return out
+
+    def clear_pending(self) -> None:
+        for part in self.pending_slots:
+            self.pending[part] = False
+        self.pending_slots, self.pending_gens, self.n_pending = [], [], 0
+
+    def add_pending(self, slots: np.ndarray, first_gen: int) -> None:
+        self.pending[slots] = True
+        self.pending_slots.append(slots)
+        self.pending_gens.append(np.arange(first_gen, first_gen + len(slots), dtype=np.uint64))
+        self.n_pending += len(slots)
+
+    def pieces(self, sorted_slots: np.ndarray, split: bool = True) -> list[tuple[int, int]]:
         """[a, b) index ranges of ``sorted_slots`` that are adjacent on disk, each one I/O call.
 
         ``split``: a batch is also cut into about IO_THREADS pieces (none under MIN_PIECE_BYTES,
@@ -332,18 +375,160 @@ class _Group:
         one sequential read better than parallel readers, which look random to it. Either way a
         piece has one stride at least and at most IOV_MAX vectors.
         """
+        n = len(sorted_slots)
         if split:
-            total = len(sorted_slots) * self.stride
-            target = min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-total // IO_THREADS)))
+            target = min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-n * self.stride // IO_THREADS)))
         else:
             target = MAX_RUN_BYTES
         cap = max(1, min(target // self.stride, _IOV_MAX // (2 if self.pad else 1)))
-        out, a = [], 0
-        for i in range(1, len(sorted_slots) + 1):
-            if i == len(sorted_slots) or sorted_slots[i] != sorted_slots[i - 1] + 1 or i - a >= cap:
-                out.append((a, i))
-                a = i
-        return out
+        bounds = [0, *(np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist(), n]
+        return [(a, min(b, a + cap)) for lo, b in zip(bounds, bounds[1:]) for a in range(lo, b, cap)]
+
+
+class _Replay:
+    """One group's journal replayed into its arrays (see the module docstring).
+
+    Frames are read in order; their records are applied a chunk at a time
+    (``REPLAY_CHUNK``): within a chunk the last record of each slot is found
+    by sorting, and it wins over what the arrays hold if its generation is
+    higher. Damage is skipped frame by frame and reported.
+    """
+
+    def __init__(self, tier: "DiskTier", g: _Group) -> None:
+        self.tier, self.g = tier, g
+        self.max_gen = 0
+        self.dirty = False
+        self.parts: list[np.ndarray] = []
+        self.n_parts = 0
+        self.outside: dict[int, tuple[int, int]] = {}     # slot beyond the quota -> (gen, kind) of its last record
+        self.malformed = 0
+        self.crc_budget = 0
+
+    def release(self) -> None:
+        self.parts = []
+
+    def error(self, off: int, msg: str) -> None:
+        msg = f"journal {self.g.journal_path}: {msg} at offset {off}"
+        log.warning("disk tier: %s", msg)
+        self.tier.journal_errors.append((self.g.index, off, msg))
+        self.dirty = True
+
+    def frame_at(self, mm: mmap.mmap, off: int, size: int) -> tuple[bytes, bytes] | str:
+        """(magic, payload) of the frame at ``off``, or why there is none."""
+        if size - off < FRAME.size:
+            return "torn frame header"
+        magic, ln, crc = FRAME.unpack_from(mm, off)
+        if magic not in (journal.HEADER_MAGIC, journal.RECORDS_MAGIC):
+            return "bad frame magic"
+        if ln > size - off - FRAME.size:
+            return f"torn frame (needs {ln} bytes, {size - off - FRAME.size} left)"
+        if magic == journal.RECORDS_MAGIC and ln % RECORD.itemsize:
+            return f"frame length {ln} is not whole records"
+        self.crc_budget -= ln
+        payload = mm[off + FRAME.size:off + FRAME.size + ln]
+        if zlib.crc32(payload) != crc:
+            return "frame checksum mismatch"
+        return magic, payload
+
+    def resync(self, mm: mmap.mmap, start: int, size: int) -> int | None:
+        """Offset of the next intact records frame after ``start`` (None: none, or the
+        search spent its budget: a hostile file cannot make it quadratic)."""
+        pos = start
+        while self.crc_budget > 0:
+            pos = mm.find(journal.RECORDS_MAGIC, pos, size)
+            if pos < 0:
+                return None
+            if not isinstance(self.frame_at(mm, pos, size), str):
+                return pos
+            pos += 1
+        return None
+
+    def run(self, mm: mmap.mmap, size: int) -> int:
+        """Replay every frame; returns the offset the journal is good up to (the rest is a torn tail)."""
+        g = self.g
+        self.crc_budget = 2 * size + (1 << 20)
+        off = 0
+        while off < size:
+            got = self.frame_at(mm, off, size)
+            if isinstance(got, str):
+                nxt = self.resync(mm, off + 1, size)
+                if nxt is None:
+                    self.error(off, f"{got}; the last {size - off} bytes dropped")
+                    self.apply()
+                    self.finish()
+                    return off
+                self.error(off, f"{got}; {nxt - off} bytes skipped")
+                off = nxt
+                continue
+            magic, payload = got
+            if off == 0 and magic == journal.HEADER_MAGIC:
+                try:
+                    head = _unpackb(payload)
+                    if not isinstance(head, dict) or head.get("group") != g.index or \
+                            head.get("format") != FORMAT_VERSION or not isinstance(head.get("next_gen", 1), int):
+                        raise ValueError(f"header {head!r} is not this group's")
+                except (ValueError, TypeError, msgpack.UnpackException) as e:
+                    self.error(0, f"bad journal header ({e}); the journal is dropped")
+                    return 0
+                self.max_gen = max(self.max_gen, head.get("next_gen", 1) - 1)
+            elif magic == journal.HEADER_MAGIC:
+                self.error(off, "a header frame after the first; skipped")
+            else:
+                if off == 0:
+                    self.error(0, "journal header missing")
+                self.parts.append(np.frombuffer(payload, dtype=RECORD))
+                self.n_parts += len(self.parts[-1])
+                if self.n_parts >= REPLAY_CHUNK:
+                    self.apply()
+            off += FRAME.size + len(payload)
+        self.apply()
+        self.finish()
+        return off
+
+    def apply(self) -> None:
+        """Apply the records read so far (the last record of a slot wins)."""
+        if not self.parts:
+            return
+        g = self.g
+        recs = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0]
+        self.parts, self.n_parts = [], 0
+        bad = journal.malformed(recs)
+        if bad.any():
+            self.malformed += int(bad.sum())
+            recs = recs[~bad]
+        if not len(recs):
+            return
+        self.max_gen = max(self.max_gen, int(recs["gen"].max()))
+        far = recs["slot"] >= g.slots
+        if far.any():
+            for r in recs[far]:
+                s, gen = int(r["slot"]), int(r["gen"])
+                if s not in self.outside or self.outside[s][0] < gen:
+                    self.outside[s] = (gen, int(r["kind"]))
+            recs = recs[~far]
+            if not len(recs):
+                return
+        order = np.lexsort((recs["gen"], recs["slot"]))
+        slots = recs["slot"][order]
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = slots[1:] != slots[:-1]
+        win = recs[order[last]]
+        g.reserve(int(win["slot"].max()) + 1)
+        win = win[win["gen"] > g.meta["gen"][win["slot"]]]
+        g.meta[win["slot"]] = win
+        g.live[win["slot"]] = win["kind"] == WRITE
+
+    def finish(self) -> None:
+        g = self.g
+        if self.malformed:
+            self.error(0, f"{self.malformed} malformed record(s) skipped")
+        lost = sorted(s for s, (_, kind) in self.outside.items() if kind == WRITE)
+        if lost:
+            reason = f"outside the group's {g.slots} slots"
+            self.tier.discarded.extend((g.index, s, f"slot {s} is {reason}") for s in lost)
+            log.warning("disk tier: group %d: %d page(s) discarded at open: %s", g.index, len(lost), reason)
+        if self.outside:
+            self.dirty = True
 
 
 # -- the tier ------------------------------------------------------------------------------------
@@ -351,7 +536,6 @@ class _Group:
 class DiskTier:
     """Durable disk spill for the cold pool groups; see the module docstring."""
 
-    recovered: list[RecoveredPage]
     discarded: list[tuple[int, int, str]]
 
     def __init__(self) -> None:  # use DiskTier.open
@@ -363,8 +547,8 @@ class DiskTier:
         self.o_direct_supported = False
         self.fingerprint: dict = {}
         self.groups: list[_Group] = []
-        self.recovered = []
         self.discarded = []
+        self._fp = 0                       # the layout fingerprint folded to 64 bits (journal.identity)
         self.journal_errors: list[tuple[int, int, str]] = []   # (group, offset, reason)
         self.checkpoint_floor = CHECKPOINT_FLOOR
         self._lock_fd = -1
@@ -414,6 +598,7 @@ class DiskTier:
         tier.fsync = bool(fsync)
         tier.min_free = min_free
         tier.fingerprint = fingerprint
+        tier._fp = journal.fingerprint_hash(_packb(fingerprint))
         try:
             os.makedirs(tier.path, exist_ok=True)
         except OSError as e:
@@ -479,6 +664,8 @@ class DiskTier:
         if fresh or problem is not None or resized:
             if not resized:
                 self._remove_data_files()
+            if os.path.lexists(header_path) and not os.path.isfile(header_path):
+                _remove(header_path)              # a directory (or dangling link) where HEADER belongs
             tmp = header_path + ".tmp"
             with open(tmp, "wb") as f:
                 f.write(_packb(want))
@@ -501,6 +688,7 @@ class DiskTier:
         for g in self.groups:
             g.direct = self.o_direct and (o_direct == "on" or g.stride >= DIRECT_MIN_STRIDE)
         self._stats["o_direct_groups"] = [g.index for g in self.groups if g.direct]
+        self._check_data_files(on_mismatch)
         needs_checkpoint: list[_Group] = []
         max_gen = 0
         for g in self.groups:
@@ -523,9 +711,6 @@ class DiskTier:
                 if g.broken is not None:   # ... unless the group lost its journal fd: refuse to open
                     raise
                 log.warning("disk tier: compacting group %d's journal at open failed: %s", g.index, e)
-        self.recovered = sorted(
-            (RecoveredPage(g.index, s, e[0], e[2]) for g in self.groups for s, e in g.entries.items()),
-            key=lambda p: p.generation)
         self._stats["discarded"] = len(self.discarded)
 
     @staticmethod
@@ -535,7 +720,9 @@ class DiskTier:
         if len(have) != len(want):
             return f"directory has {len(have)} cold pool groups, this store has {len(want)}"
         for i, (a, b) in enumerate(zip(have, want)):
-            if list(a)[:1] != list(b)[:1]:        # a new slot count (quota) is fine: see _open_locked
+            if not isinstance(a, list) or len(a) != 2 or not all(type(v) is int and v >= 0 for v in a):
+                return f"directory has a malformed pool group {i}: {a!r}"
+            if a[0] != b[0]:        # a new slot count (quota) is fine: see _open_locked
                 return (f"pool group {i} differs: directory has (slot_bytes={a[0]}, slots={a[1]}), "
                         f"this store has (slot_bytes={b[0]}, slots={b[1]})")
         return None
@@ -543,7 +730,21 @@ class DiskTier:
     def _remove_data_files(self) -> None:
         for name in os.listdir(self.path):
             if name.startswith("group-") and (name.endswith((".seg", ".journal", ".tmp"))):
-                os.unlink(os.path.join(self.path, name))
+                _remove(os.path.join(self.path, name))
+
+    def _check_data_files(self, on_mismatch: str) -> None:
+        """Each group's segment and journal is a regular file or absent; anything else in their
+        place is refused, or removed under ``wipe``."""
+        for g in self.groups:
+            for path in (g.seg_path, g.journal_path):
+                if not os.path.lexists(path) or os.path.isfile(path):      # a link to a file is fine
+                    continue
+                if on_mismatch != "wipe":
+                    raise ConfigError("tiers.disk.path",
+                                      f"{path!r} is not a regular file (kvtier keeps a segment or journal there); "
+                                      "remove it, or set on_mismatch='wipe' to have it removed")
+                log.warning("disk tier: %s is not a regular file; removing it (on_mismatch='wipe')", path)
+                _remove(path)
 
     def _probe_o_direct(self) -> bool:
         """Can files here be opened O_DIRECT? Also finds how aligned memory must be (512 or 4096)."""
@@ -593,98 +794,37 @@ class DiskTier:
             self.journal_errors.append((g.index, 0, f"journal {g.journal_path} missing"))
         g.journal_fd = os.open(g.journal_path, os.O_RDWR | os.O_CREAT, 0o644)
         size = os.fstat(g.journal_fd).st_size
-        max_gen, off, good, dirty = 0, 0, 0, size == 0
-        entries: dict[int, tuple[PageRecord, int, int, int]] = {}
-        bad_reason = None
-        with open(g.journal_path, "rb", buffering=4 << 20) as f:    # streamed: journals can be large
-            while off < size:
-                head = f.read(_FRAME.size)
-                if len(head) < _FRAME.size:
-                    bad_reason = "torn frame header"
-                    break
-                ln, crc = _FRAME.unpack(head)
-                if ln > size - off - _FRAME.size:
-                    bad_reason = f"torn frame (needs {ln} bytes, {size - off - _FRAME.size} left)"
-                    break
-                payload = f.read(ln)
-                if len(payload) < ln:
-                    bad_reason = "torn frame"
-                    break
-                if zlib.crc32(payload) != crc:
-                    bad_reason = "frame checksum mismatch"
-                    break
+        replay = _Replay(self, g)
+        if size:
+            with open(g.journal_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 try:
-                    obj = _unpackb(payload)
-                    if off == 0:
-                        if not isinstance(obj, dict) or obj.get("group") != g.index or \
-                                obj.get("format") != FORMAT_VERSION:
-                            raise ValueError("bad journal header")
-                        max_gen = max(max_gen, int(obj.get("next_gen", 1)) - 1)
-                    else:
-                        max_gen = max(max_gen, self._apply_frame(g, obj, entries, ln))
-                except (ValueError, TypeError, IndexError, msgpack.UnpackException) as e:
-                    bad_reason = f"undecodable frame ({e})"
-                    break
-                off += _FRAME.size + ln
-                good = off
-        if bad_reason is not None:
-            lost = size - good
-            msg = f"journal {g.journal_path}: {bad_reason} at offset {good}; {lost} bytes dropped"
-            log.warning("disk tier: %s", msg)
-            self.journal_errors.append((g.index, good, msg))
+                    good = replay.run(mm, size)
+                finally:
+                    replay.release()
+        else:
+            good = 0
+        dirty = size == 0 or replay.dirty
+        if good < size:
             os.ftruncate(g.journal_fd, good)
             dirty = True
         g.journal_size = good
+        g.n_live = int(g.live.sum())
 
         # Check what is cheap: the segment exists and covers every recorded slot.
-        reasons: dict[str, int] = {}
-        for slot, e in sorted(entries.items()):
-            reason = None
-            if slot >= g.slots:
-                reason = f"slot {slot} is outside the group's {g.slots} slots"
-            elif not seg_exists:
-                reason = "segment file missing"
-            elif slot * g.stride + g.slot_bytes > g.size:
-                reason = f"segment truncated (size {g.size}, page ends at {slot * g.stride + g.slot_bytes})"
-            if reason is None:
-                g.entries[slot] = e
-                g.live_bytes += e[3]
+        live = np.flatnonzero(g.live)
+        if len(live):
+            if not seg_exists:
+                lost, reason = live, "segment file missing"
             else:
-                self.discarded.append((g.index, slot, reason))
-                reasons[reason.split(" (")[0]] = reasons.get(reason.split(" (")[0], 0) + 1
+                lost = live[live * g.stride + g.slot_bytes > g.size]
+                reason = f"segment truncated (size {g.size})"
+            if len(lost):
+                g.live[lost] = False
+                g.n_live -= len(lost)
+                self.discarded.extend((g.index, int(s), reason) for s in lost)
+                log.warning("disk tier: group %d: %d page(s) discarded at open: %s", g.index, len(lost), reason)
                 dirty = True
-        for reason, n in reasons.items():
-            log.warning("disk tier: group %d: %d page(s) discarded at open: %s", g.index, n, reason)
-        return max_gen, dirty
-
-    def _apply_frame(self, g: _Group, recs: Any, entries: dict, frame_bytes: int) -> int:
-        if not isinstance(recs, list):
-            raise ValueError("frame is not a record list")
-        parsed = []
-        per = frame_bytes // max(1, len(recs))
-        max_gen = 0
-        for r in recs:
-            if r[0] == _REC_WRITE:
-                _, slot, gen, csum, key, parent, depth, lc, prio = r
-                if not (_is_key(key) and (parent is None or _is_key(parent))):
-                    raise ValueError(f"bad key in record {r!r}")
-                parsed.append((int(slot), int(gen), (PageRecord(key, parent, int(depth), int(lc), int(prio)),
-                                                      int(csum), int(gen), per)))
-            elif r[0] == _REC_FREE:
-                _, slot, gen = r
-                parsed.append((int(slot), int(gen), None))
-            else:
-                raise ValueError(f"unknown record tag {r[0]!r}")
-        for slot, gen, entry in parsed:   # a frame applies all or nothing
-            max_gen = max(max_gen, gen)
-            old = entries.get(slot)
-            if old is not None and old[2] > gen:
-                continue
-            if entry is None:
-                entries.pop(slot, None)
-            else:
-                entries[slot] = entry
-        return max_gen
+        return replay.max_gen, dirty
 
     def close(self) -> None:
         """Flush, compact every journal, release the lock. Idempotent."""
@@ -755,21 +895,39 @@ class DiskTier:
         if g.broken is not None:
             raise TierIOError(errno.EIO, f"disk tier group {g.index} is unusable: {g.broken}; reopen the tier")
 
-    def _check_live_locked(self, g: _Group, slots: list[int]) -> None:
+    def _check_live_locked(self, g: _Group, slots: np.ndarray) -> None:
         """Under g.lock: the tier is open, the group usable, and every slot holds a page."""
         if self._closed:
             raise StoreClosedError("disk tier is closed")
         self._usable(g)
-        missing = [s for s in slots if s not in g.entries]
-        if missing:
-            raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16]}")
+        g.reserve(int(slots.max()) + 1 if len(slots) else 0)
+        missing = slots[~g.live[slots]]
+        if len(missing):
+            raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
 
-    def _check_slots(self, g: _Group, slots: list[int]) -> None:
-        for s in slots:
-            if (type(s) is not int and (not isinstance(s, int) or isinstance(s, bool))) or not 0 <= s < g.slots:
-                raise UsageError(f"slot {s!r} is outside disk group {g.index}'s {g.slots} slots")
-        if len(set(slots)) != len(slots):
+    @staticmethod
+    def _check_slots(g: _Group, slots: Iterable[int]) -> np.ndarray:
+        """A caller's slots as an int64 array: each an int in [0, slots), no duplicates."""
+        if isinstance(slots, np.ndarray) and slots.dtype.kind in "iu" and slots.ndim == 1:
+            arr = slots.astype(np.int64, copy=False)
+        else:
+            slots = list(slots)
+            for s in slots:
+                if type(s) is not int and (not isinstance(s, (int, np.integer)) or isinstance(s, bool)):
+                    raise UsageError(f"slot {s!r} of disk group {g.index} is not an int")
+            try:
+                arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+            except OverflowError:
+                arr = None
+            if arr is None or (len(arr) and (arr.min() < 0 or arr.max() >= g.slots)):
+                bad = next(s for s in slots if not 0 <= s < g.slots)
+                raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots")
+        if len(arr) and (arr.min() < 0 or arr.max() >= g.slots):
+            bad = int(arr[(arr < 0) | (arr >= g.slots)][0])
+            raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots")
+        if len(np.unique(arr)) != len(arr):
             raise UsageError(f"duplicate slots in one call on disk group {g.index}")
+        return arr
 
     def _take_gens(self, n: int) -> int:
         with self._gen_lock:
@@ -792,24 +950,23 @@ class DiskTier:
 
     def _discard(self, g: _Group, slots: Iterable[int], reason: str) -> None:
         """Forget pages found bad (caller holds g.lock); their frees are journaled lazily."""
-        slots = list(slots)
-        if not slots:
+        slots = np.asarray(list(slots), dtype=np.int64)
+        if not len(slots):
             return
-        gen = self._take_gens(len(slots))
-        for i, s in enumerate(slots):
-            e = g.entries.pop(s)
-            g.live_bytes -= e[3]
-            g.pending_free[s] = gen + i
-            g.forgotten.add(s)
+        g.live[slots] = False
+        g.n_live -= len(slots)
+        g.add_pending(slots, self._take_gens(len(slots)))
+        g.forgotten[slots] = True
+        listed = slots.tolist()
         with self._stats_lock:
-            self.discarded.extend((g.index, s, reason) for s in slots)
-            self._stats["discarded"] += len(slots)
-        log.warning("disk tier: group %d: discarded %d page(s) %s: %s", g.index, len(slots),
-                    slots if len(slots) <= 16 else f"{slots[:16]}...", reason)
+            self.discarded.extend((g.index, s, reason) for s in listed)
+            self._stats["discarded"] += len(listed)
+        log.warning("disk tier: group %d: discarded %d page(s) %s: %s", g.index, len(listed),
+                    listed if len(listed) <= 16 else f"{listed[:16]}...", reason)
 
-    def _append(self, g: _Group, records: list) -> int:
-        """Append one frame to g's journal and make it durable (on failure roll it back); returns its size."""
-        frame = _frame(records)
+    def _append(self, g: _Group, *records: np.ndarray) -> None:
+        """Append one frame of ``records`` to g's journal and make it durable (on failure roll it back)."""
+        frame = journal.frame(journal.RECORDS_MAGIC, b"".join(r.tobytes() for r in records if len(r)))
         start = g.journal_size
         t0 = time.perf_counter()
         try:
@@ -829,19 +986,15 @@ class DiskTier:
             raise _typed(e, f"journal append to {g.journal_path}") from e
         g.journal_size = start + len(frame)
         self._add_stats(fsync_seconds=time.perf_counter() - t0)
-        return len(frame)
-
-    def _free_records(self, g: _Group) -> list:
-        return [[_REC_FREE, s, gen] for s, gen in g.pending_free.items()]
 
     def _flush_locked(self, g: _Group) -> None:
-        if g.pending_free and g.broken is None:
-            self._append(g, self._free_records(g))
-            g.pending_free.clear()
+        if g.n_pending and g.broken is None:
+            self._append(g, g.free_records())
+            g.clear_pending()
             self._maybe_checkpoint(g)
 
     def _maybe_checkpoint(self, g: _Group) -> None:
-        snapshot = g.live_bytes + 4096
+        snapshot = g.live_bytes() + 4096
         if g.journal_size > max(CHECKPOINT_RATIO * snapshot, self.checkpoint_floor):
             try:
                 self._checkpoint_locked(g)
@@ -857,16 +1010,15 @@ class DiskTier:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise _typed(e, f"creating {tmp}") from e
-        live = written = 0
+        written = 0
         try:
-            chunks = [_frame(header)]
+            chunks = [journal.frame(journal.HEADER_MAGIC, _packb(header))]
             pending = len(chunks[0])
-            items = sorted(g.entries.items(), key=lambda kv: kv[1][2])
-            for i in range(0, len(items), 4096):
-                recs = [_write_record(s, e[2], e[1], e[0]) for s, e in items[i:i + 4096]]
-                f = _frame(recs)
+            live = g.meta[np.flatnonzero(g.live)]
+            live = live[np.argsort(live["gen"], kind="stable")]
+            for i in range(0, len(live), journal.FRAME_RECORDS):     # bounded frames: damage costs only its own
+                f = journal.frame(journal.RECORDS_MAGIC, live[i:i + journal.FRAME_RECORDS].tobytes())
                 chunks.append(f)
-                live += len(f)
                 pending += len(f)
                 if pending >= 8 << 20:
                     _pwritev_all(fd, chunks, written)
@@ -905,13 +1057,7 @@ class DiskTier:
         os.close(old)
         g.dir_unsynced = self.fsync       # the rename is durable once the directory is synced
         g.journal_size = written
-        g.pending_free.clear()     # the snapshot already leaves freed slots out
-        if items:                  # re-estimate per-record bytes from the snapshot
-            per = live // len(items)
-            g.entries = {s: (e[0], e[1], e[2], per) for s, e in g.entries.items()}
-            g.live_bytes = per * len(items)
-        else:
-            g.live_bytes = 0
+        g.clear_pending()          # the snapshot already leaves freed slots out
         self._add_stats(checkpoints=1)
         if g.dir_unsynced:
             try:
@@ -1035,9 +1181,10 @@ class DiskTier:
 
     # ---- data path ----
 
-    def write(self, group: int, slots: list[int], rows: torch.Tensor, records: list[PageRecord]) -> None:
+    def write(self, group: int, slots: Iterable[int], rows: torch.Tensor, records: Any) -> None:
         """Store ``rows[i]`` (a CPU uint8 row of ``slot_bytes``; any row stride) in ``slots[i]`` with
-        ``records[i]``. Durable when it returns (with ``fsync``); see the module docstring for the order.
+        ``records[i]`` (a ``journal.RECORD`` array, as the core builds it, or PageRecords). Durable when
+        it returns (with ``fsync``); see the module docstring for the order.
 
         The slots must be free (``UsageError`` for a live one, a duplicate, or one outside the group).
         ``DiskFullError`` when the segment cannot grow (filesystem full, a file size limit, or
@@ -1045,10 +1192,11 @@ class DiskTier:
         after either, every slot is as it was before the call.
         """
         g = self._group(group)
-        slots = list(slots)
-        n = len(slots)
-        self._check_slots(g, slots)
-        _check_records(records, n)
+        sl = self._check_slots(g, slots)
+        n = len(sl)
+        recs = journal.as_records(records, n)
+        if n and journal.malformed(_with_gen(recs)).any():
+            raise UsageError("records with an unknown key form or a priority above 100")
         arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
         if n == 0:
             return
@@ -1056,144 +1204,136 @@ class DiskTier:
             if self._closed:
                 raise StoreClosedError("disk tier is closed")
             self._usable(g)
-            if not g.entries.keys().isdisjoint(slots):
-                s = next(s for s in slots if s in g.entries)
-                raise UsageError(f"slot {s} of disk group {g.index} holds a live page; free it first")
+            g.reserve(int(sl.max()) + 1)
+            taken = g.live[sl]
+            if taken.any():
+                raise UsageError(f"slot {int(sl[taken][0])} of disk group {g.index} holds a live page; free it first")
             t1 = time.perf_counter()
-            csums = [0] * n
-            order = sorted(range(n), key=slots.__getitem__)
-            sorted_slots = [slots[i] for i in order]
-            self._ensure_size(g, (sorted_slots[-1] + 1) * g.stride)
+            hashes = np.zeros(n, dtype=np.uint64)
+            order = np.argsort(sl, kind="stable")
+            sorted_slots = sl[order]
+            self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
             # 1. frees of the target slots must be durable before their old bytes are overwritten
-            if not g.pending_free.keys().isdisjoint(slots):
-                self._append(g, self._free_records(g))
-                g.pending_free.clear()
+            if g.pending[sl].any():
+                self._append(g, g.free_records())
+                g.clear_pending()
             # 2. the data, then a barrier
             try:
                 self._fault("write")
                 pcs = g.pieces(sorted_slots)
-                tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, order, sorted_slots, csums, a, b),
+                tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, order, sorted_slots, hashes, a, b),
                                            pcs, g.direct or n * g.stride >= PARALLEL_MIN_BYTES))
                 if self.fsync:
                     os.fdatasync(g.seg_fd)
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
             # 3. the records (with any other pending frees of the group), then a barrier
+            out = recs.copy()
+            out["kind"] = WRITE
+            out["slot"] = sl
             gen = self._take_gens(n)
-            recs = self._free_records(g)
-            gens = range(gen, gen + n)
-            recs += map(_write_record, slots, gens, csums, records)
-            per = self._append(g, recs) // len(recs)
-            g.pending_free.clear()
-            g.entries.update(zip(slots, zip(records, csums, gens, itertools.repeat(per))))
-            if g.forgotten:
-                g.forgotten.difference_update(slots)
-            g.live_bytes += per * n
+            out["gen"] = np.arange(gen, gen + n, dtype=np.uint64)
+            out["csum"] = hashes ^ journal.identity(out, self._fp)
+            self._append(g, g.free_records(), out)
+            g.clear_pending()
+            g.meta[sl] = out
+            g.live[sl] = True
+            g.forgotten[sl] = False
+            g.n_live += n
             t3 = time.perf_counter()
             self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
                             io_seconds=t3 - t1)
             self._maybe_checkpoint(g)
 
-    def _write_piece(self, g: _Group, arr: np.ndarray, order: list[int], sorted_slots: list[int],
-                     csums: list[int], a: int, b: int) -> float:
+    def _write_piece(self, g: _Group, arr: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
+                     hashes: np.ndarray, a: int, b: int) -> float:
         """Checksum and write rows ``order[a:b]`` (adjacent slots ``sorted_slots[a:b]``) with one
         pwritev; returns the seconds spent hashing. Runs on the I/O pool (hashing overlaps other I/O)."""
-        off = sorted_slots[a] * g.stride
+        off = int(sorted_slots[a]) * g.stride
         rows = order[a:b]
-        h = xxhash.xxh3_64_intdigest
+        k = b - a
         if g.direct and not self._direct_ok(arr, rows, g):
-            bounce = self._bounce_get((b - a) * g.stride)
+            bounce = self._bounce_get(k * g.stride)
             try:
-                buf = bounce[1]
-                tck = 0.0
-                for k, i in enumerate(rows):
-                    row = buf[k * g.stride:k * g.stride + g.slot_bytes]
-                    row[:] = arr[i]
-                    t = time.perf_counter()
-                    csums[i] = h(row)                # hot in cache right after the copy
-                    tck += time.perf_counter() - t
-                _pwritev_all(g.seg_fd, [memoryview(buf)[:(b - a) * g.stride]], off)
+                staged = bounce[1][:k * g.stride].reshape(k, g.stride)[:, :g.slot_bytes]
+                for j, i in enumerate(rows.tolist()):
+                    staged[j] = arr[i]
+                t = time.perf_counter()
+                hashes[rows] = xxh64_rows(staged)
+                tck = time.perf_counter() - t
+                _pwritev_all(g.seg_fd, [memoryview(bounce[1])[:k * g.stride]], off)
             finally:
                 self._bounce_put(bounce)
             return tck
         t = time.perf_counter()
+        hashes[rows] = xxh64_rows(arr, rows)
+        tck = time.perf_counter() - t
         block = _row_block(arr, rows, g)
-        if block is not None:       # the rows lie as they go on disk: one buffer, rows hashed in place
-            sb = g.slot_bytes
-            for k, i in enumerate(rows):
-                csums[i] = h(block[k * sb:(k + 1) * sb])
+        if block is not None:       # the rows lie as they go on disk: one buffer
             bufs = [block]
         else:
             bufs = []
-            for i in rows:
-                csums[i] = h(arr[i])
+            for i in rows.tolist():
                 bufs.append(arr[i])
                 if g.pad:
                     bufs.append(g.pad)
-        tck = time.perf_counter() - t
         _pwritev_all(g.seg_fd, bufs, off)
         return tck
 
-    def _read_piece(self, g: _Group, out: np.ndarray, order: list[int], sorted_slots: list[int],
-                    a: int, b: int) -> tuple[list[int], list[int], float]:
+    def _expected(self, g: _Group, slots: np.ndarray) -> np.ndarray:
+        """The XXH64 the bytes of ``slots`` must have: their records' checksums less their identities."""
+        recs = g.meta[slots]
+        return recs["csum"] ^ journal.identity(recs, self._fp)
+
+    def _read_piece(self, g: _Group, out: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
+                    a: int, b: int) -> tuple[np.ndarray, np.ndarray, float]:
         """Read slots ``sorted_slots[a:b]`` into rows ``order[a:b]`` and verify them; returns
         (rows read short, rows failing their checksum, seconds spent hashing)."""
-        off = sorted_slots[a] * g.stride
+        off = int(sorted_slots[a]) * g.stride
         rows = order[a:b]
-        h = xxhash.xxh3_64_intdigest
-        entries = g.entries
-        short, bad = [], []
+        k = b - a
+        expected = self._expected(g, sorted_slots[a:b])
         if self.o_direct_reads and not self._direct_ok(out, rows, g):
-            bounce = self._bounce_get((b - a) * g.stride)
+            bounce = self._bounce_get(k * g.stride)
             try:
-                buf = bounce[1]
-                got = _preadv_all(g.read_fd, [memoryview(buf)[:(b - a) * g.stride]], off)
-                tck = 0.0
-                for k, i in enumerate(rows):
-                    if got < k * g.stride + g.slot_bytes:
-                        short.append(i)
-                        continue
-                    row = buf[k * g.stride:k * g.stride + g.slot_bytes]
-                    t = time.perf_counter()
-                    if h(row) != entries[sorted_slots[a + k]][1]:
-                        bad.append(i)
-                    tck += time.perf_counter() - t
-                    out[i] = row
-                return short, bad, tck
+                got = _preadv_all(g.read_fd, [memoryview(bounce[1])[:k * g.stride]], off)
+                staged = bounce[1][:k * g.stride].reshape(k, g.stride)[:, :g.slot_bytes]
+                t = time.perf_counter()
+                hashes = xxh64_rows(staged)
+                tck = time.perf_counter() - t
+                for j, i in enumerate(rows.tolist()):
+                    out[i] = staged[j]
             finally:
                 self._bounce_put(bounce)
-        block = _row_block(out, rows, g)
-        if block is not None:       # the rows lie as they are on disk: one buffer, rows hashed in place
-            bufs = [block]
-            sb = g.slot_bytes
-            row_of = [block[k * sb:(k + 1) * sb] for k in range(b - a)]
         else:
-            bufs = []
-            pad = memoryview(bytearray(len(g.pad))) if g.pad else None   # per call: pieces run in parallel
-            for i in rows:
-                bufs.append(out[i])
-                if pad is not None:
-                    bufs.append(pad)
-            row_of = [out[i] for i in rows]
-        got = _preadv_all(g.read_fd, bufs, off)
-        if g.direct and not self.o_direct_reads:
-            # cold pages just promoted: do not keep a second copy in the page cache
-            os.posix_fadvise(g.read_fd, off, (b - a) * g.stride, os.POSIX_FADV_DONTNEED)
-        t = time.perf_counter()
-        for k, i in enumerate(rows):
-            if got < k * g.stride + g.slot_bytes:
-                short.append(i)
-            elif h(row_of[k]) != entries[sorted_slots[a + k]][1]:
-                bad.append(i)
-        return short, bad, time.perf_counter() - t
+            block = _row_block(out, rows, g)
+            if block is not None:       # the rows lie as they are on disk: one buffer
+                bufs = [block]
+            else:
+                bufs = []
+                pad = memoryview(bytearray(len(g.pad))) if g.pad else None   # per call: pieces run in parallel
+                for i in rows.tolist():
+                    bufs.append(out[i])
+                    if pad is not None:
+                        bufs.append(pad)
+            got = _preadv_all(g.read_fd, bufs, off)
+            if g.direct and not self.o_direct_reads:
+                # cold pages just promoted: do not keep a second copy in the page cache
+                os.posix_fadvise(g.read_fd, off, k * g.stride, os.POSIX_FADV_DONTNEED)
+            t = time.perf_counter()
+            hashes = xxh64_rows(out, rows)
+            tck = time.perf_counter() - t
+        short = np.arange(k) * g.stride + g.slot_bytes > got
+        bad = (hashes != expected) & ~short
+        return rows[short], rows[bad], tck
 
-    def _read_locked(self, g: _Group, slots: list[int], out: np.ndarray) -> tuple[list[int], list[int], float, float]:
+    def _read_locked(self, g: _Group, slots: np.ndarray, out: np.ndarray) -> tuple[list[int], list[int], float, float]:
         """Read and verify; returns (short slots, checksum-mismatch slots, io seconds, checksum seconds)."""
         n = len(slots)
-        order = sorted(range(n), key=slots.__getitem__)
-        sorted_slots = [slots[i] for i in order]
-        short: list[int] = []
-        bad: list[int] = []
+        order = np.argsort(slots, kind="stable")
+        sorted_slots = slots[order]
+        short: list[np.ndarray] = []
+        bad: list[np.ndarray] = []
         tck = 0.0
         t0 = time.perf_counter()
         try:
@@ -1201,31 +1341,31 @@ class DiskTier:
             pcs = g.pieces(sorted_slots, split=self.o_direct_reads)
             for sh, bd, t in self._run_pieces(lambda a, b: self._read_piece(g, out, order, sorted_slots, a, b),
                                               pcs, self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES):
-                short += [slots[i] for i in sh]
-                bad += [slots[i] for i in bd]
+                short.append(slots[sh])
+                bad.append(slots[bd])
                 tck += t
         except OSError as e:
             raise _typed(e, f"reading {n} page(s) from {g.seg_path}") from e
-        return sorted(short), sorted(bad), time.perf_counter() - t0, tck
+        return (sorted(np.concatenate(short).tolist()), sorted(np.concatenate(bad).tolist()),
+                time.perf_counter() - t0, tck)
 
-    def read(self, group: int, slots: list[int], out: torch.Tensor) -> None:
+    def read(self, group: int, slots: Iterable[int], out: torch.Tensor) -> None:
         """Fill ``out[i]`` (contiguous CPU uint8 ``[len(slots), slot_bytes]``) with the page in ``slots[i]``.
 
-        Every page is checked against its xxh3_64. Bad or short pages are reported in ``discarded``,
+        Every page is checked against its checksum. Bad or short pages are reported in ``discarded``,
         forgotten as if freed, and ``CorruptPageError`` is raised with ``.slots`` (and ``.group``); the
         other rows of ``out`` are valid. An I/O error raises ``TierIOError`` and changes nothing.
         A slot without a live page is a ``UsageError``.
         """
         g = self._group(group)
-        slots = list(slots)
-        n = len(slots)
-        self._check_slots(g, slots)
+        sl = self._check_slots(g, slots)
+        n = len(sl)
         arr = self._as_rows(out, n, g.slot_bytes, "out", writable=True)
         if n == 0:
             return
         with g.lock:
-            self._check_live_locked(g, slots)
-            short, bad, tio, tck = self._read_locked(g, slots, arr)
+            self._check_live_locked(g, sl)
+            short, bad, tio, tck = self._read_locked(g, sl, arr)
             self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck)
             if short:
                 self._discard(g, short, "short read (segment ends before the page)")
@@ -1246,7 +1386,7 @@ class DiskTier:
             with g.lock:
                 self._group(g.index)
                 self._usable(g)
-                live = sorted(g.entries)
+                live = np.flatnonzero(g.live)
                 for i in range(0, len(live), batch):
                     part = live[i:i + batch]
                     short, bad, tio, tck = self._read_locked(g, part, scratch[:len(part)])
@@ -1259,50 +1399,55 @@ class DiskTier:
                         found += [(g.index, s, "checksum mismatch") for s in bad]
         return found
 
-    def relabel(self, group: int, slots: list[int], records: list[PageRecord]) -> None:
-        """Give live pages new records, keeping their bytes and checksums: one journal frame, no data
-        written. For a page whose block was committed after the page reached the disk (it was written
-        with an anonymous record, which recovery never serves). ``UsageError`` for a slot with no page."""
+    def relabel(self, group: int, slots: Iterable[int], records: Any) -> None:
+        """Give live pages new records, keeping their bytes: one journal frame, no data read or written
+        (the checksum trades the old identity for the new one). For a page whose block was committed
+        after the page reached the disk (it was written with an anonymous record, which recovery never
+        serves). ``UsageError`` for a slot with no page."""
         g = self._group(group)
-        slots = list(slots)
-        self._check_slots(g, slots)
-        _check_records(records, len(slots))
-        if not slots:
+        sl = self._check_slots(g, slots)
+        recs = journal.as_records(records, len(sl))
+        if len(sl) and journal.malformed(_with_gen(recs)).any():
+            raise UsageError("records with an unknown key form or a priority above 100")
+        if not len(sl):
             return
         with g.lock:
-            self._check_live_locked(g, slots)
-            gen = self._take_gens(len(slots))
-            recs = self._free_records(g)
-            recs += [_write_record(s, gen + k, g.entries[s][1], r) for k, (s, r) in enumerate(zip(slots, records))]
-            per = self._append(g, recs) // len(recs)
-            g.pending_free.clear()
-            for k, (s, r) in enumerate(zip(slots, records)):
-                old = g.entries[s]
-                g.live_bytes += per - old[3]
-                g.entries[s] = (r, old[1], gen + k, per)
+            self._check_live_locked(g, sl)
+            old = g.meta[sl]
+            out = recs.copy()
+            out["kind"] = WRITE
+            out["slot"] = sl
+            gen = self._take_gens(len(sl))
+            out["gen"] = np.arange(gen, gen + len(sl), dtype=np.uint64)
+            out["csum"] = old["csum"] ^ journal.identity(old, self._fp) ^ journal.identity(out, self._fp)
+            self._append(g, g.free_records(), out)
+            g.clear_pending()
+            g.meta[sl] = out
             self._maybe_checkpoint(g)
 
-    def free(self, group: int, slots: list[int]) -> None:
+    def free(self, group: int, slots: Iterable[int]) -> None:
         """Forget the pages in ``slots``. The free records are journaled with the group's next append
         (``write``, ``flush``, ``close``), and always before a freed slot is written again. Freeing a
         slot that ``read``/``verify_all`` already discarded is accepted (a no-op)."""
         g = self._group(group)
-        slots = list(slots)
-        self._check_slots(g, slots)
+        sl = self._check_slots(g, slots)
+        if not len(sl):
+            return
         with g.lock:
             if self._closed:
                 raise StoreClosedError("disk tier is closed")
-            for s in slots:
-                if s not in g.entries and s not in g.forgotten:
-                    raise UsageError(f"slot {s} of disk group {g.index} holds no page (freed twice?)")
-            live = [s for s in slots if s in g.entries]
-            gen = self._take_gens(len(live)) if live else 0
-            for k, s in enumerate(live):
-                e = g.entries.pop(s)
-                g.live_bytes -= e[3]
-                g.pending_free[s] = gen + k
-            g.forgotten.difference_update(slots)
-            if len(g.pending_free) >= PENDING_FREE_FLUSH and g.broken is None:
+            g.reserve(int(sl.max()) + 1)
+            live = g.live[sl]
+            unknown = ~(live | g.forgotten[sl])
+            if unknown.any():
+                raise UsageError(f"slot {int(sl[unknown][0])} of disk group {g.index} holds no page (freed twice?)")
+            freed = sl[live]
+            if len(freed):
+                g.live[freed] = False
+                g.n_live -= len(freed)
+                g.add_pending(freed, self._take_gens(len(freed)))
+            g.forgotten[sl] = False
+            if g.n_pending >= PENDING_FREE_FLUSH and g.broken is None:
                 try:
                     self._flush_locked(g)
                 except OSError as e:   # stays pending; a later append retries
@@ -1342,13 +1487,36 @@ class DiskTier:
     def record(self, group: int, slot: int) -> PageRecord | None:
         g = self._group(group)
         with g.lock:
-            e = g.entries.get(slot)
-            return None if e is None else e[0]
+            if not isinstance(slot, int) or not 0 <= slot < len(g.live) or not g.live[slot]:
+                return None
+            return journal.decode(g.meta[slot])
 
     def live_slots(self, group: int) -> list[int]:
         g = self._group(group)
         with g.lock:
-            return sorted(g.entries)
+            return np.flatnonzero(g.live).tolist()
+
+    def recovered_records(self) -> tuple[np.ndarray, np.ndarray]:
+        """(group per record, ``RECORD`` array) of every live page, in write order: what the
+        store rebuilds its index from after open."""
+        groups, recs = [], []
+        for g in self.groups:
+            with g.lock:
+                live = g.meta[np.flatnonzero(g.live)]
+            recs.append(live)
+            groups.append(np.full(len(live), g.index, dtype=np.int32))
+        if not recs:
+            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=RECORD)
+        recs_all, groups_all = np.concatenate(recs), np.concatenate(groups)
+        order = np.argsort(recs_all["gen"], kind="stable")
+        return groups_all[order], recs_all[order]
+
+    @property
+    def recovered(self) -> list[RecoveredPage]:
+        """The live pages as Python records, in write order (tests and tools; the store uses
+        ``recovered_records``)."""
+        groups, recs = self.recovered_records()
+        return [RecoveredPage(int(g), int(r["slot"]), journal.decode(r), int(r["gen"])) for g, r in zip(groups, recs)]
 
     def stride(self, group: int) -> int:
         return self._group(group).stride

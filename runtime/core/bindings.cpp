@@ -5,17 +5,20 @@
 // as plain lists (Python consumes them). Keys arrive as Python ints or bytes
 // and are converted here (see keys.hpp for the stored form).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
 #include "blake2b.hpp"
 #include "core.hpp"
+#include "disk_record.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -114,6 +117,16 @@ const Ids& ids(const Core& c, const Pages& p) {
   for (int32_t id : p.ids)
     if (!c.valid_page(id)) throw nb::index_error("no such page");
   return p.ids;
+}
+
+// A journal record's key in the core's form: a bytes key's padding past its
+// length is zeroed, so that a record with junk there names the same block as
+// the key it spells (Key compares all 16 bytes).
+Key record_key(const uint8_t (&bytes)[16], uint8_t tag) {
+  Key k{};
+  std::memcpy(k.bytes, bytes, tag >= 1 && tag < 16 ? tag : 16);
+  k.tag = tag;
+  return k;
 }
 
 void check_tier_group(const Core& c, int tier, int group) {
@@ -294,20 +307,33 @@ NB_MODULE(_core, m) {
              int group = p.ids.empty() ? -1 : c.page(p.ids[0]).group;
              return nb::make_tuple(tier, group, slots, lcs, ready);
            })
-      .def("records", [](const Core& c, const Pages& p, nb::handle make, nb::handle anonymous) {
-             // make(key, parent key or None, depth, life cycle, priority) per page; anonymous for unpublished pages
-             nb::list out;
-             for (int32_t id : p.ids) {
-               const kvtier::Page& pg = c.page(id);
+      .def("disk_records", [](const Core& c, const Pages& p) {
+             // the journal records (kvtier::DiskRecord, 64 bytes each) of pages moving to disk; the disk
+             // tier fills kind, slot, generation and checksum. Unpublished pages get anonymous records.
+             const Ids& page_ids = ids(c, p);
+             std::string buf(page_ids.size() * sizeof(kvtier::DiskRecord), '\0');
+             for (size_t i = 0; i < page_ids.size(); ++i) {
+               const kvtier::Page& pg = c.page(page_ids[i]);
+               kvtier::DiskRecord r{};
+               r.lc = uint16_t(pg.lc);
+               r.priority = uint8_t(pg.priority);
+               r.ptag = kvtier::DiskRecord::kTagNone;
                if (pg.published && pg.block >= 0) {
                  const kvtier::Block& b = c.block(pg.block);
-                 nb::object parent = b.parent >= 0 ? from_key(c.block(b.parent).key) : nb::none();
-                 out.append(make(from_key(b.key), parent, b.depth, int(pg.lc), int(pg.priority)));
+                 r.ktag = b.key.tag;
+                 std::memcpy(r.key, b.key.bytes, 16);
+                 r.depth = uint32_t(b.depth);
+                 if (b.parent >= 0) {
+                   const Key& pk = c.block(b.parent).key;
+                   r.ptag = pk.tag;
+                   std::memcpy(r.parent, pk.bytes, 16);
+                 }
                } else {
-                 out.append(make(anonymous, nb::none(), 0, int(pg.lc), int(pg.priority)));
+                 r.ktag = kvtier::DiskRecord::kTagAnonymous;
                }
+               std::memcpy(&buf[i * sizeof r], &r, sizeof r);
              }
-             return out;
+             return nb::bytes(buf.data(), buf.size());
            })
       .def("land", [](Core& c, const Pages& p, int dst_tier, int g, const Ids& dst_slots, int32_t event, bool handoff) {
              check_tier_group(c, dst_tier, g);
@@ -324,36 +350,33 @@ NB_MODULE(_core, m) {
       .def("still_persistable", [](const Core& c, const Pages& p, int32_t group) {
              return Pages{c.still_persistable(p.ids, group)};
            })
-      .def("recover_add", [](Core& c, nb::handle keys, nb::handle parents, const std::vector<int32_t>& depth,
-                             const std::vector<int32_t>& lc, const std::vector<int32_t>& group,
-                             const std::vector<int32_t>& slot, const std::vector<int32_t>& priority,
-                             const std::vector<int64_t>& generation) {
-             // one chunk of recovered records (columns); recover() then rebuilds from all of them
-             nb::list k = nb::cast<nb::list>(keys), pa = nb::cast<nb::list>(parents);
-             size_t n = k.size();
-             if (pa.size() != n || depth.size() != n || lc.size() != n || group.size() != n || slot.size() != n ||
-                 priority.size() != n || generation.size() != n)
-               throw nb::value_error("recover_add: columns of different lengths");
+      .def("recover_add", [](Core& c, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> records,
+                             nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> groups) {
+             // recovered journal records (DiskRecord bytes, in write order) and the disk group of each;
+             // recover() then rebuilds the index from all of them
+             size_t n = groups.shape(0);
+             if (records.shape(0) != n * sizeof(kvtier::DiskRecord))
+               throw nb::value_error("recover_add: records must be 64 bytes per group entry");
              auto& recs = c.pending_records();
+             nb::gil_scoped_release nogil;
              recs.reserve(recs.size() + n);
              for (size_t i = 0; i < n; ++i) {
+               kvtier::DiskRecord d;
+               std::memcpy(&d, records.data() + i * sizeof d, sizeof d);
                kvtier::RecoveredRecord r{};
-               nb::handle key = k[i], parent = pa[i];
-               r.anonymous = key.is_none() || (PyBytes_Check(key.ptr()) && PyBytes_GET_SIZE(key.ptr()) == 0);
-               bool bad = false;
-               if (!r.anonymous) {
-                 try { r.key = to_key(key.ptr()); } catch (nb::builtin_exception&) { bad = true; } catch (nb::python_error&) { bad = true; }
-               }
-               r.has_parent = !parent.is_none();
-               if (r.has_parent && !bad) {
-                 try { r.parent = to_key(parent.ptr()); } catch (nb::builtin_exception&) { bad = true; } catch (nb::python_error&) { bad = true; }
-               }
-               r.depth = bad ? -1 : depth[i];       // a key the core cannot hold: discarded as a bad record
-               r.lc = lc[i];
-               r.group = group[i];
-               r.slot = slot[i];
-               r.priority = priority[i];
-               r.generation = generation[i];
+               r.anonymous = d.ktag == kvtier::DiskRecord::kTagAnonymous;
+               bool bad = !r.anonymous && d.ktag > 16;
+               r.key = record_key(d.key, d.ktag);
+               r.has_parent = d.ptag != kvtier::DiskRecord::kTagNone;
+               bad = bad || (r.has_parent && d.ptag > 16);
+               r.parent = record_key(d.parent, d.ptag);
+               // a record the core cannot hold (bad key form, depth past int32) is discarded
+               r.depth = bad || d.depth > uint32_t(INT32_MAX) ? -1 : int32_t(d.depth);
+               r.lc = d.lc;
+               r.group = groups.data()[i];
+               r.slot = d.slot > uint32_t(INT32_MAX) ? -1 : int32_t(d.slot);
+               r.priority = d.priority;
+               r.generation = d.gen > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(d.gen);
                recs.push_back(r);
              }
            })

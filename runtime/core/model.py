@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from typing import Callable, Iterable
+from typing import Iterable
 
+import numpy as np
+
+from tiers import journal
 from tiers.layers import LifeCycle as _LayerLifeCycle
 from tiers.policy import ReusePolicy
 
@@ -1398,18 +1401,23 @@ class ModelCore:
         group = self.pt[ids[0]].group if ids else -1
         return (tier, group, slots, lcs, ready)
 
-    def records(self, pages: Pages, make: Callable, anonymous) -> list:
-        """make(key, parent key or None, depth, lc, priority) per page; ``anonymous`` as the key of unpublished ones."""
-        out = []
-        for pid in _page_ids(pages):
+    def disk_records(self, pages: Pages) -> bytes:
+        """The journal records (``tiers.journal.RECORD``) of ``pages``; anonymous for unpublished ones."""
+        ids = _page_ids(pages)
+        out = np.zeros(len(ids), dtype=journal.RECORD)
+        for i, pid in enumerate(ids):
             p = self.pt[pid]
+            out[i]["lc"], out[i]["priority"], out[i]["ptag"] = p.lc, p.priority, journal.TAG_NONE
             if p.published and p.block >= 0:
                 b = self.blocks[p.block]
-                parent = self.blocks[b.parent].key if b.parent >= 0 else None
-                out.append(make(b.key, parent, b.depth, p.lc, p.priority))
+                out[i]["key_lo"], out[i]["key_hi"], out[i]["ktag"] = journal.encode_key(b.key)
+                out[i]["depth"] = b.depth
+                if b.parent >= 0:
+                    out[i]["parent_lo"], out[i]["parent_hi"], out[i]["ptag"] = \
+                        journal.encode_key(self.blocks[b.parent].key)
             else:
-                out.append(make(anonymous, None, 0, p.lc, p.priority))
-        return out
+                out[i]["ktag"] = journal.TAG_ANONYMOUS
+        return out.tobytes()
 
     def land(self, pages: Pages, dst_tier: int, dst_group: int, dst_slots: list[int], event: int,
              handoff: bool) -> tuple[list[int], list[int]]:
@@ -1496,35 +1504,29 @@ class ModelCore:
                 out.append(pid)
         return Pages(out)
 
-    def recover_add(self, keys: list, parents: list, depth: list, lc: list, group: list, slot: list,
-                    priority: list, generation: list) -> None:
-        """One chunk of the disk's journal records, one column per field (a
-        key None or b'' is a page no index knew); ``recover`` then rebuilds
+    def recover_add(self, records, groups) -> None:
+        """Recovered journal records (``RECORD`` bytes as a uint8 array, in
+        write order) and the disk group of each; ``recover`` then rebuilds
         the index from all of them."""
-        if not isinstance(keys, list) or not isinstance(parents, list):
-            raise TypeError("recover_add: keys and parents must be lists")
-        n = len(keys)
-        if any(len(col) != n for col in (parents, depth, lc, group, slot, priority, generation)):
-            raise ValueError("recover_add: columns of different lengths")
-        for i in range(n):
-            key, parent = keys[i], parents[i]
-            anonymous = key is None or (isinstance(key, bytes) and len(key) == 0)
-            bad = False
-            k = pk = None
-            if not anonymous:
-                try:
-                    k = to_key(key)
-                except (ValueError, TypeError):
-                    bad = True
-            has_parent = parent is not None
-            if has_parent and not bad:
-                try:
-                    pk = to_key(parent)
-                except (ValueError, TypeError):
-                    bad = True
-            # a key the core cannot hold: discarded as a bad record
-            self.pending_records.append(_Record(k, pk, has_parent, anonymous, -1 if bad else depth[i], lc[i],
-                                                group[i], slot[i], priority[i], generation[i]))
+        groups = np.asarray(groups)
+        raw = np.asarray(records)
+        if raw.dtype != np.uint8 or raw.ndim != 1 or groups.dtype != np.int32 or groups.ndim != 1:
+            raise TypeError("recover_add: records must be a 1-d uint8 array and groups a 1-d int32 array")
+        if len(raw) != len(groups) * journal.RECORD.itemsize:
+            raise ValueError("recover_add: records must be 64 bytes per group entry")
+        for g, r in zip(groups.tolist(), np.frombuffer(raw.tobytes(), dtype=journal.RECORD)):
+            ktag, ptag = int(r["ktag"]), int(r["ptag"])
+            anonymous = ktag == journal.TAG_ANONYMOUS
+            has_parent = ptag != journal.TAG_NONE
+            bad = (not anonymous and ktag > 16) or (has_parent and ptag > 16)
+            key = None if anonymous or bad else journal.decode_key(r["key_lo"], r["key_hi"], ktag)
+            parent = journal.decode_key(r["parent_lo"], r["parent_hi"], ptag) if has_parent and not bad else None
+            depth, slot, gen = int(r["depth"]), int(r["slot"]), int(r["gen"])
+            # a record the core cannot hold (bad key form, depth past int32) is discarded
+            self.pending_records.append(_Record(key, parent, has_parent, anonymous,
+                                                -1 if bad or depth >= 1 << 31 else depth, int(r["lc"]), g,
+                                                -1 if slot >= 1 << 31 else slot, int(r["priority"]),
+                                                min(gen, (1 << 63) - 1)))
 
     def recover(self) -> list[list[int]]:
         """Rebuild the index from the records added. Returns the slots to
