@@ -490,12 +490,12 @@ class _Replay:
         if not self.parts:
             return
         g = self.g
-        recs = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0]
+        recs = journal.concat(self.parts) if len(self.parts) > 1 else self.parts[0]
         self.parts, self.n_parts = [], 0
         bad = journal.malformed(recs)
         if bad.any():
             self.malformed += int(bad.sum())
-            recs = recs[~bad]
+            recs = journal.take(recs, ~bad)
         if not len(recs):
             return
         self.max_gen = max(self.max_gen, int(recs["gen"].max()))
@@ -505,18 +505,19 @@ class _Replay:
                 s, gen = int(r["slot"]), int(r["gen"])
                 if s not in self.outside or self.outside[s][0] < gen:
                     self.outside[s] = (gen, int(r["kind"]))
-            recs = recs[~far]
+            recs = journal.take(recs, ~far)
             if not len(recs):
                 return
         order = np.lexsort((recs["gen"], recs["slot"]))
         slots = recs["slot"][order]
         last = np.ones(len(order), dtype=bool)
         last[:-1] = slots[1:] != slots[:-1]
-        win = recs[order[last]]
+        win = journal.take(recs, order[last])
         g.reserve(int(win["slot"].max()) + 1)
-        win = win[win["gen"] > g.meta["gen"][win["slot"]]]
-        g.meta[win["slot"]] = win
-        g.live[win["slot"]] = win["kind"] == WRITE
+        win = journal.take(win, win["gen"] > g.meta["gen"][win["slot"]])
+        slots = win["slot"].astype(np.int64)
+        journal.put(g.meta, slots, win)
+        g.live[slots] = win["kind"] == WRITE
 
     def finish(self) -> None:
         g = self.g
@@ -1014,8 +1015,8 @@ class DiskTier:
         try:
             chunks = [journal.frame(journal.HEADER_MAGIC, _packb(header))]
             pending = len(chunks[0])
-            live = g.meta[np.flatnonzero(g.live)]
-            live = live[np.argsort(live["gen"], kind="stable")]
+            live = journal.take(g.meta, np.flatnonzero(g.live))
+            live = journal.take(live, np.argsort(live["gen"], kind="stable"))
             for i in range(0, len(live), journal.FRAME_RECORDS):     # bounded frames: damage costs only its own
                 f = journal.frame(journal.RECORDS_MAGIC, live[i:i + journal.FRAME_RECORDS].tobytes())
                 chunks.append(f)
@@ -1236,7 +1237,7 @@ class DiskTier:
             out["csum"] = hashes ^ journal.identity(out, self._fp)
             self._append(g, g.free_records(), out)
             g.clear_pending()
-            g.meta[sl] = out
+            journal.put(g.meta, sl, out)
             g.live[sl] = True
             g.forgotten[sl] = False
             g.n_live += n
@@ -1282,7 +1283,7 @@ class DiskTier:
 
     def _expected(self, g: _Group, slots: np.ndarray) -> np.ndarray:
         """The XXH64 the bytes of ``slots`` must have: their records' checksums less their identities."""
-        recs = g.meta[slots]
+        recs = journal.take(g.meta, slots)
         return recs["csum"] ^ journal.identity(recs, self._fp)
 
     def _read_piece(self, g: _Group, out: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
@@ -1413,7 +1414,7 @@ class DiskTier:
             return
         with g.lock:
             self._check_live_locked(g, sl)
-            old = g.meta[sl]
+            old = journal.take(g.meta, sl)
             out = recs.copy()
             out["kind"] = WRITE
             out["slot"] = sl
@@ -1422,7 +1423,7 @@ class DiskTier:
             out["csum"] = old["csum"] ^ journal.identity(old, self._fp) ^ journal.identity(out, self._fp)
             self._append(g, g.free_records(), out)
             g.clear_pending()
-            g.meta[sl] = out
+            journal.put(g.meta, sl, out)
             self._maybe_checkpoint(g)
 
     def free(self, group: int, slots: Iterable[int]) -> None:
@@ -1502,14 +1503,14 @@ class DiskTier:
         groups, recs = [], []
         for g in self.groups:
             with g.lock:
-                live = g.meta[np.flatnonzero(g.live)]
+                live = journal.take(g.meta, np.flatnonzero(g.live))
             recs.append(live)
             groups.append(np.full(len(live), g.index, dtype=np.int32))
         if not recs:
             return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=RECORD)
-        recs_all, groups_all = np.concatenate(recs), np.concatenate(groups)
+        recs_all, groups_all = journal.concat(recs), np.concatenate(groups)
         order = np.argsort(recs_all["gen"], kind="stable")
-        return groups_all[order], recs_all[order]
+        return groups_all[order], journal.take(recs_all, order)
 
     @property
     def recovered(self) -> list[RecoveredPage]:

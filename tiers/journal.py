@@ -44,6 +44,21 @@ RECORD = np.dtype([
     ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"), ("parent_hi", "<u8"),
 ])
 assert RECORD.itemsize == 64
+_ROW = np.dtype((np.void, RECORD.itemsize))    # a record as opaque bytes: numpy moves these at memcpy speed
+
+
+def take(recs: np.ndarray, idx) -> np.ndarray:
+    """``recs[idx]``, moved as whole rows (a structured gather copies field by field, 10x slower)."""
+    return recs.view(_ROW)[idx].view(RECORD)
+
+
+def put(dst: np.ndarray, idx, src: np.ndarray) -> None:
+    """``dst[idx] = src``, moved as whole rows."""
+    dst.view(_ROW)[idx] = src.view(_ROW)
+
+
+def concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([p.view(_ROW) for p in parts]).view(RECORD)
 
 WRITE, FREE = 0, 1
 TAG_ANONYMOUS = 255          # ktag of an uncommitted page's record

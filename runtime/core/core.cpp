@@ -1025,8 +1025,14 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
   std::vector<Ids> forget(ng);
   std::vector<std::vector<uint8_t>> taken(ng);
   for (size_t g = 0; g < ng; ++g) taken[g].assign(size_t(allocs_[DISK][g].capacity()), 0);
-  std::stable_sort(records.begin(), records.end(), [](auto& a, auto& b) { return a.depth < b.depth; });
-  for (const RecoveredRecord& r : records) {
+  // Parents before children: by depth, then in the order given (write order). Sorted as packed
+  // 64-bit keys (depth, position): a record is 80 bytes, and comparing through them missed the cache.
+  std::vector<uint64_t> by_depth(records.size());
+  for (size_t i = 0; i < records.size(); ++i)
+    by_depth[i] = uint64_t(uint32_t(records[i].depth) + 1u) << 32 | uint64_t(i);   // depth -1 (bad) first
+  std::sort(by_depth.begin(), by_depth.end());
+  for (uint64_t packed : by_depth) {
+    const RecoveredRecord& r = records[size_t(packed & 0xFFFFFFFFu)];
     if (r.group < 0 || size_t(r.group) >= ng) continue;      // no such group: nothing to forget either
     bool in_range = r.slot >= 0 && r.slot < allocs_[DISK][r.group].capacity();
     if (r.anonymous) {                                       // a page no index knew: nothing to recover
@@ -1073,13 +1079,11 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
     return n;
   };
   int64_t before = count_disk();
-  std::vector<int32_t> nodes;
-  index_.for_each_indexed([&](int32_t b) { nodes.push_back(b); });
-  std::sort(nodes.begin(), nodes.end(), [&](int32_t a, int32_t b) {   // by depth, then in indexing order
-    int32_t da = index_.blocks[a].depth, db = index_.blocks[b].depth;
-    return da != db ? da < db : a < b;
-  });
-  for (int32_t b : nodes) {
+  std::vector<uint64_t> nodes;         // (depth, block id) packed: by depth, then in indexing order
+  index_.for_each_indexed([&](int32_t b) { nodes.push_back(uint64_t(uint32_t(index_.blocks[b].depth)) << 32 | uint32_t(b)); });
+  std::sort(nodes.begin(), nodes.end());
+  for (uint64_t packed : nodes) {
+    int32_t b = int32_t(packed & 0xFFFFFFFFu);
     if (!index_.blocks[b].in_use || !index_.blocks[b].indexed) continue;
     for (int lc = 0; lc < n_lcs(); ++lc)
       if (lcs_[lc].prefix_critical(index_.blocks[b].depth, tpb_) && index_.page(b, lc) < 0) {
