@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from tiers._native import copy_rows as _copy_rows
 from tiers.codecs import Codec, get_codec
 from tiers.device import Device, aligned_empty
 from tiers.layers import LifeCycle
@@ -31,7 +32,6 @@ from .readiness import wait_event, wait_events
 from .stats import MoveStats
 
 
-FEW_RUNS = 4             # above this many runs, host rows move by fancy indexing, not per run
 INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
@@ -82,8 +82,8 @@ def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
         if out is None:
             out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
                 torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
-        if src.device == device:       # numpy's take copies rows at memcpy speed, torch's CPU index_select far slower
-            np.take(src.numpy(), np.asarray(slots, dtype=np.intp), axis=0, out=out.numpy())
+        if src.device == device:       # one native memcpy per row (torch's CPU index_select runs far slower)
+            _copy_rows(src.numpy(), np.asarray(slots, dtype=np.int64), out.numpy(), None)
             return out
     elif src.device == device:
         return src.index_select(0, index_tensor(slots, device))
@@ -102,31 +102,28 @@ def scatter(dst: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None
     if dst.is_cuda and rows.is_cuda:
         dst.index_copy_(0, index_tensor(slots, dst.device), rows)
         return
-    runs = _runs(slots)
-    if len(runs) > FEW_RUNS and not dst.is_cuda and not rows.is_cuda:
-        dst.numpy()[np.asarray(slots)] = rows.numpy()
+    if not dst.is_cuda and not rows.is_cuda:
+        _copy_rows(rows.numpy(), None, dst.numpy(), np.asarray(slots, dtype=np.int64))
         return
-    for off, first, n in runs:
+    for off, first, n in _runs(slots):
         dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
 
 
 def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int]) -> None:
-    """``dst[dst_slots] = src[src_slots]`` with no staging: one copy (one
-    cudaMemcpyAsync across devices) per run that is consecutive on both
-    sides; between host tensors with scattered slots, one numpy gather-scatter
-    instead of a Python loop of small copies."""
-    i, n, runs = 0, len(src_slots), []
+    """``dst[dst_slots] = src[src_slots]`` with no staging: between host
+    tensors one native call (a memcpy per row, the GIL released); across
+    devices one copy (one cudaMemcpyAsync) per run consecutive on both sides."""
+    if not src.is_cuda and not dst.is_cuda:
+        _copy_rows(src.numpy(), np.asarray(src_slots, dtype=np.int64), dst.numpy(),
+                   np.asarray(dst_slots, dtype=np.int64))
+        return
+    i, n = 0, len(src_slots)
     while i < n:
         j = i + 1
         while j < n and src_slots[j] == src_slots[j - 1] + 1 and dst_slots[j] == dst_slots[j - 1] + 1:
             j += 1
-        runs.append((src_slots[i], dst_slots[i], j - i))
+        dst[dst_slots[i]:dst_slots[i] + j - i].copy_(src[src_slots[i]:src_slots[i] + j - i], non_blocking=True)
         i = j
-    if len(runs) > FEW_RUNS and not src.is_cuda and not dst.is_cuda:
-        dst.numpy()[np.asarray(dst_slots)] = src.numpy()[np.asarray(src_slots)]
-        return
-    for s, d, k in runs:
-        dst[d:d + k].copy_(src[s:s + k], non_blocking=True)
 
 
 class MigrationEngine:

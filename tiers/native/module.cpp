@@ -1,4 +1,4 @@
-// tiers._native: the data plane's native kernels (nanobind). Each call works
+// tiers._native: the data plane's native kernels (nanobind): page checksums and row copies. Each call works
 // on a whole batch with the GIL released, so that disk I/O threads do not
 // hold the interpreter per page.
 #include <nanobind/nanobind.h>
@@ -6,6 +6,7 @@
 #include <nanobind/stl/optional.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "xxh64.hpp"
@@ -46,12 +47,58 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
   return out;
 }
 
+using MutRows = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
+
+// Row index i of an optional index array (the identity when absent), checked against n_rows.
+struct RowIndex {
+  const int64_t* data = nullptr;
+  int64_t stride = 0;
+  size_t size = 0;
+
+  RowIndex(const std::optional<Index>& idx, size_t n, size_t n_rows, const char* what) {
+    if (idx) {
+      data = idx->data();
+      stride = idx->stride(0);
+      size = idx->shape(0);
+      for (size_t i = 0; i < size; ++i) {
+        int64_t r = data[int64_t(i) * stride];
+        if (r < 0 || size_t(r) >= n_rows) throw nb::index_error(what);
+      }
+    } else {
+      size = n;
+      if (n > n_rows) throw nb::index_error(what);
+    }
+  }
+  int64_t operator[](size_t i) const { return data ? data[int64_t(i) * stride] : int64_t(i); }
+};
+
+// dst[dst_index[i]] = src[src_index[i]] for every i: one memcpy per row, GIL released. The
+// host side of page moves (host slabs, the emulated GPU, staging), where numpy's fancy
+// indexing made two passes (gather into a temporary, then scatter) and held the GIL.
+void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optional<Index> dst_index) {
+  if (src.shape(1) != dst.shape(1)) throw nb::value_error("copy_rows: rows of different widths");
+  if ((src.shape(1) && src.stride(1) != 1) || (dst.shape(1) && dst.stride(1) != 1))
+    throw nb::value_error("copy_rows: each row's bytes must be contiguous");
+  size_t n = src_index ? src_index->shape(0) : dst_index ? dst_index->shape(0) : src.shape(0);
+  RowIndex si(src_index, n, src.shape(0), "copy_rows: source row out of range");
+  RowIndex di(dst_index, n, dst.shape(0), "copy_rows: destination row out of range");
+  if (si.size != di.size) throw nb::value_error("copy_rows: source and destination row counts differ");
+  const size_t width = src.shape(1);
+  const uint8_t* s = src.data();
+  uint8_t* d = dst.data();
+  const int64_t ss = src.stride(0), ds = dst.stride(0);
+  nb::gil_scoped_release nogil;
+  for (size_t i = 0; i < n; ++i) std::memcpy(d + di[i] * ds, s + si[i] * ss, width);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "kvtier's data-plane kernels: batched page checksums";
   m.def("xxh64_rows", &xxh64_rows, "rows"_a, "index"_a = nb::none(), "seed"_a = 0,
         "XXH64 of each row (or of rows[index]) as a uint64 numpy array; the GIL is released while hashing.");
+  m.def("copy_rows", &copy_rows, "src"_a, "src_index"_a.none(), "dst"_a, "dst_index"_a.none(),
+        "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memcpy per row, GIL released.");
   m.def("xxh64", [](nb::bytes data, uint64_t seed) { return kvtier::xxh64(data.c_str(), data.size(), seed); },
         "data"_a, "seed"_a = 0, "XXH64 of a bytes object.");
 }
