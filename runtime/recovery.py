@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +56,7 @@ async def index_recovered(store: "Store") -> None:
     reads and indexes them): unrecoverable and unreachable pages are
     forgotten on disk."""
     disk, core = store.disk, store.core
+    t0 = time.perf_counter()
 
     def rebuild():
         groups, records = disk.recovered_records()
@@ -66,6 +68,9 @@ async def index_recovered(store: "Store") -> None:
         if slots:
             disk.free(g, slots)
     counters = core.counters()
-    if counters["orphaned"]:
-        log.warning("disk tier: %d recovered pages are unreachable (an ancestor's page was not on disk) "
-                    "and were freed", counters["orphaned"])
+    damaged = len(disk.discarded)          # found by the disk tier: checksums, segment size, bad records
+    log.info("disk tier %s: recovered %d pages in %.2f s; %d orphaned (an ancestor's page never reached the "
+             "disk: unreachable, freed); %d discarded by the index (records that do not fit this layout or "
+             "tree); %d discarded by the disk tier (damaged records or pages); %d journal error(s)",
+             disk.path, counters["recovered"], time.perf_counter() - t0, counters["orphaned"],
+             counters["discarded"], damaged, len(disk.journal_errors))

@@ -231,3 +231,28 @@ def test_records_a_caller_cannot_hand_over(tmp_path):
         with pytest.raises(UsageError):
             tier.write(0, [0], row, journal.encode([PageRecord(1, None, 0, 0)] * 2))
         assert tier.live_slots(0) == []
+
+
+# ---- accounting (12.4) -----------------------------------------------------------------------------
+
+async def test_unreachable_pages_count_as_orphaned_and_recovery_logs_a_summary(tmp_path, caplog):
+    """Pages whose prefix root never reached the disk (a SIGKILL while the root was on the GPU) are
+    orphaned, not 'discarded', and the restart says so in one INFO line."""
+    cfg = StoreConfig(layers=[LayerSpec(0, (("k", 64), ("v", 64)))], tokens_per_block=4,
+                      gpu=GpuConfig(slots=8, device="cpu"), disk=DiskConfig(path=str(tmp_path), slots=64),
+                      persist_on_close=False)
+    async with Store.open(cfg) as store:
+        fp = store.layout.fingerprint(4, cfg.hash_salt)
+    with DiskTier.open(str(tmp_path), fp, [(128, 64)]) as tier:     # blocks 2..4 of chain 1 -> 2 -> 3 -> 4
+        rows = torch.from_numpy(np.stack([page(k, 128) for k in (2, 3, 4)]))
+        tier.write(0, [0, 1, 2], rows, [PageRecord(2, 1, 1, 0), PageRecord(3, 2, 2, 0), PageRecord(4, 3, 3, 0)])
+        tier.write(0, [3], torch.from_numpy(page(7, 128)[None]), [PageRecord(7, None, 0, 0)])
+    with caplog.at_level("INFO", logger="kvtier"):
+        async with Store.open(cfg) as store:
+            st = store.stats()
+            assert (st["recovered_pages"], st["orphaned_pages"], st["discarded_pages"]) == (1, 3, 0)
+            seq = await store.open_sequence(block_keys=[7])
+            assert seq.matched_blocks == 1
+            await seq.close()
+    line = [r.getMessage() for r in caplog.records if "recovered" in r.getMessage() and r.levelname == "INFO"]
+    assert len(line) == 1 and "recovered 1 pages" in line[0] and "3 orphaned" in line[0]

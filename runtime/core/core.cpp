@@ -1027,6 +1027,7 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
   for (size_t g = 0; g < ng; ++g) taken[g].assign(size_t(allocs_[DISK][g].capacity()), 0);
   // Parents before children: by depth, then in the order given (write order). Sorted as packed
   // 64-bit keys (depth, position): a record is 80 bytes, and comparing through them missed the cache.
+  int64_t unreachable = 0;           // records whose parent is not on disk: orphaned, not bad
   std::vector<uint64_t> by_depth(records.size());
   for (size_t i = 0; i < records.size(); ++i)
     by_depth[i] = uint64_t(uint32_t(records[i].depth) + 1u) << 32 | uint64_t(i);   // depth -1 (bad) first
@@ -1042,6 +1043,11 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
     bool ok = in_range && r.lc >= 0 && r.lc < n_lcs() && group_of_[DISK][r.lc] == r.group && r.depth >= 0 &&
               !taken[r.group][r.slot];
     int32_t parent = (ok && r.has_parent) ? index_.find(r.parent) : -1;
+    if (ok && r.depth > 0 && r.has_parent && parent < 0) {     // well formed, but its parent never reached the disk
+      ++unreachable;
+      if (!taken[r.group][r.slot]) forget[r.group].push_back(r.slot);
+      continue;
+    }
     if (ok && r.depth > 0 && (parent < 0 || index_.blocks[parent].depth != r.depth - 1)) ok = false;
     if (ok && r.depth == 0 && r.has_parent) ok = false;
     int32_t node = ok ? index_.find(r.key) : -1;
@@ -1091,7 +1097,7 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
         break;
       }
   }
-  counters_.orphaned = before - count_disk();
+  counters_.orphaned = unreachable + before - count_disk();
   // Recency is not journaled. Deepest first, then in write order: a block is never older than
   // its descendants, and shallow blocks, which more requests share, go last.
   std::vector<std::vector<int64_t>> gen(ng);      // per disk slot: its record's generation

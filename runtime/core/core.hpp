@@ -74,8 +74,8 @@ struct Counters {
   int64_t lookup_blocks = 0;
   int64_t drops = 0;
   int64_t recovered = 0;
-  int64_t orphaned = 0;
-  int64_t discarded = 0;
+  int64_t orphaned = 0;     // recovery: well-formed pages unreachable (an ancestor's page never reached the disk)
+  int64_t discarded = 0;    // recovery: records that do not fit the layout or the tree (bad, duplicate)
 };
 
 struct RecoveredRecord {

@@ -1542,6 +1542,7 @@ class ModelCore:
         forget: list[list[int]] = [[] for _ in range(ng)]
         taken = [bytearray(a.capacity) for a in self.allocs[DISK]]
         records.sort(key=lambda r: r.depth)                 # parents before children (stable)
+        unreachable = 0                                     # records whose parent is not on disk: orphaned, not bad
         for r in records:
             if not 0 <= r.group < ng:
                 continue                                    # no such group: nothing to forget either
@@ -1553,6 +1554,11 @@ class ModelCore:
             ok = (in_range and 0 <= r.lc < self._n_lcs and self.group_of[DISK][r.lc] == r.group and r.depth >= 0
                   and not taken[r.group][r.slot])
             parent = self._find(r.parent) if ok and r.has_parent else -1
+            if ok and r.depth > 0 and r.has_parent and parent < 0:   # well formed; its parent never reached the disk
+                unreachable += 1
+                if not taken[r.group][r.slot]:
+                    forget[r.group].append(r.slot)
+                continue
             if ok and r.depth > 0 and (parent < 0 or self.blocks[parent].depth != r.depth - 1):
                 ok = False
             if ok and r.depth == 0 and r.has_parent:
@@ -1590,7 +1596,7 @@ class ModelCore:
             if any(self.lcs[lc].prefix_critical(blk.depth, self.tpb) and blk.pages[lc] < 0
                    for lc in range(self._n_lcs)):
                 self._drop_subtree(b)
-        self.counters_.orphaned = before - self._count_disk()
+        self.counters_.orphaned = unreachable + before - self._count_disk()
         # Recency is not journaled. Deepest first, then in write order: a block is never older than
         # its descendants, and shallow blocks, which more requests share, go last.
         gen = {}
