@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tiers.config import StoreConfig
-from tiers.device import Device
+from tiers.device import Device, host_available_bytes
 from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
 from tiers.grouping import Layout
 from tiers.journal import RECORD
@@ -141,6 +141,7 @@ class Store:
         cfg = self.cfg
         host_cfg = cfg.host
         self.device = Device(cfg.gpu.device, host_cfg.pinned if host_cfg else None)
+        cfg.check_memory(self.device.free_bytes(), host_available_bytes())
         n = {name: cfg.slots_per_group(name) for name in TIER_NAMES}
         gpu = [SlabPool(g, s, self.device) for g, s in zip(self.layout.groups["gpu"], n["gpu"])]
         host = [SlabPool(g, s, self.device) for g, s in zip(self.layout.groups["host"], n["host"])] \

@@ -201,10 +201,13 @@ def test_quota_with_slots_a_numeric_sparsity_and_odd_layer_ids_are_config_errors
 
 
 async def test_a_quota_beyond_memory_is_a_config_error():
-    cfg = StoreConfig(layers=[LayerSpec(0, KV)], gpu=GpuConfig(quota=2**50, device="cpu"))
-    with pytest.raises(ConfigError, match="cannot allocate") as e:
+    cfg = StoreConfig(layers=[LayerSpec(0, KV)], gpu=GpuConfig(quota=2**39, device="cpu"))
+    with pytest.raises(ConfigError, match="available") as e:      # refused before allocating anything
         async with Store.open(cfg):
             pass
+    assert e.value.field == "tiers.gpu.quota"
+    with pytest.raises(ConfigError, match="a group can have") as e:   # more slots than the core addresses
+        StoreConfig(layers=[LayerSpec(0, KV)], gpu=GpuConfig(quota=2**50, device="cpu"))
     assert e.value.field == "tiers.gpu.quota"
 
 

@@ -12,6 +12,7 @@ from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig, parse_s
 from tiers.device import Device
 from tiers.errors import ConfigError
 from tiers.grouping import DISK, GPU, HOST
+from tiers.layers import LayerSpec
 from tiers.policy import ReusePolicy
 
 R = ReusePolicy
@@ -384,3 +385,57 @@ def test_direct_construction_validates_too():
     assert ei.value.field == "tokens_per_block"
     cfg = StoreConfig(layers=layers, gpu=GpuConfig(quota="1MiB"))
     assert cfg.gpu.quota == 2**20 and cfg.layers[0].codec == "concat"
+
+
+# ---- sizes that overflow, memory that does not exist (issue 12.10) --------------------------------------
+
+_ONE = [LayerSpec(0, (("k", 4096),))]
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda d: StoreConfig(layers=_ONE, gpu=GpuConfig(quota="99999999TiB")), "tiers.gpu.quota"),
+    (lambda d: StoreConfig(layers=_ONE, gpu=GpuConfig(quota=1e300)), "tiers.gpu.quota"),
+    (lambda d: StoreConfig(layers=_ONE, gpu=GpuConfig(slots=2**63 - 1)), "tiers.gpu.slots"),
+    (lambda d: StoreConfig(layers=[LayerSpec(0, (("k", 2**63 - 1),))], gpu=GpuConfig(slots=4)), "layers[0].buffers.k"),
+    (lambda d: StoreConfig.from_dict({"layers": [{"ids": "0-999999999", "buffers": {"k": 64}}],
+                                      "tiers": {"gpu": {"slots": 4}}}), "layers[0].ids"),
+    (lambda d: StoreConfig(layers=_ONE, gpu=GpuConfig(slots=4), disk=DiskConfig(path=d, quota="100TiB")),
+     "tiers.disk.quota"),
+    (lambda d: StoreConfig(layers=_ONE, gpu=GpuConfig(slots=4), disk=DiskConfig(path=os.path.join(d, "f"), slots=4)),
+     "tiers.disk.path"),
+    (lambda d: StoreConfig(layers=_ONE, gpu=GpuConfig(slots=4), disk=DiskConfig(path=d, slots=4, min_free="1000PB")),
+     "tiers.disk.min_free"),
+])
+def test_overflowing_configs_are_config_errors(tmp_path, make, field):
+    (tmp_path / "f").write_text("a file, not a directory")
+    with pytest.raises(ConfigError) as e:
+        make(str(tmp_path))
+    assert e.value.field == field
+    if field == "tiers.disk.path":
+        assert "is not a directory" in str(e.value)
+
+
+def test_memory_that_does_not_exist_is_refused_before_allocating():
+    cfg = StoreConfig(layers=_ONE, gpu=GpuConfig(quota="2GiB"), host=HostConfig(quota="3GiB"))
+    cfg.check_memory(None, 6 << 30)                        # fits
+    with pytest.raises(ConfigError) as e:
+        cfg.check_memory(None, 4 << 30)                    # host slabs + emulated GPU slabs do not fit
+    assert e.value.field == "tiers.host.quota" and "available" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg.check_memory(1 << 30, 8 << 30)                 # the CUDA device has 1 GiB free
+    assert e.value.field == "tiers.gpu.quota"
+    big = StoreConfig(layers=[LayerSpec(0, (("k", 65536),))], gpu=GpuConfig(slots=4),
+                      disk=DiskConfig(path="/tmp", quota="100TiB"))
+    with pytest.raises(ConfigError) as e:                  # 1.7 G disk slots: the core's tables alone need 40 GB
+        big.check_memory(None, 16 << 30)
+    assert e.value.field == "tiers.disk.quota" and "slot tables" in str(e.value)
+
+
+async def test_a_store_too_big_for_this_machine_fails_to_open_cleanly():
+    from runtime import Store
+    from tiers.device import host_available_bytes
+    cfg = StoreConfig(layers=_ONE, gpu=GpuConfig(quota=host_available_bytes() + (1 << 30), device="cpu"))
+    with pytest.raises(ConfigError) as e:
+        async with Store.open(cfg):
+            pass
+    assert e.value.field == "tiers.gpu.quota"

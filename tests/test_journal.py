@@ -256,3 +256,17 @@ async def test_unreachable_pages_count_as_orphaned_and_recovery_logs_a_summary(t
             await seq.close()
     line = [r.getMessage() for r in caplog.records if "recovered" in r.getMessage() and r.levelname == "INFO"]
     assert len(line) == 1 and "recovered 1 pages" in line[0] and "3 orphaned" in line[0]
+
+
+def test_a_quota_beyond_the_free_space_warns_at_open(tmp_path, caplog):
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    with caplog.at_level("WARNING", logger="kvtier.disk"):
+        with DiskTier.open(str(tmp_path), FP, [(4096, free // 4096 + (1 << 20))]) as tier:
+            assert tier.stats["quota_beyond_free_bytes"] > 0
+    assert "the quota needs" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvtier.disk"):
+        with DiskTier.open(str(tmp_path), FP, [(4096, 16)]) as tier:
+            assert tier.stats["quota_beyond_free_bytes"] == 0
+    assert "the quota needs" not in caplog.text

@@ -14,6 +14,10 @@ from .grouping import DISK, GPU, HOST, Layout, split_quota
 from .layers import LayerSpec, build_life_cycles, parse_layer_ids
 from .policy import ReusePolicy
 
+MAX_BYTES = 1 << 60            # any size above 1 EiB is a typo
+MAX_SLOTS = (1 << 31) - 1      # slots per pool group: the native core addresses them with int32
+CORE_BYTES_PER_SLOT = 24       # the core's per-slot tables (owner, allocator stack, flags, fence; recovery)
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -35,6 +39,8 @@ def parse_size(value: Any, field: str) -> int:
         raise ConfigError(field, f"invalid size {value!r}")
     if n <= 0:
         raise ConfigError(field, f"must be positive, got {value!r}")
+    if n > MAX_BYTES:
+        raise ConfigError(field, f"{value!r} is above the 1 EiB ({MAX_BYTES} bytes) this build handles")
     return n
 
 
@@ -70,6 +76,8 @@ class TierConfig:
             self.quota = parse_size(self.quota, f"{field}.quota")
         if self.slots is not None:
             _positive_int(self.slots, f"{field}.slots")
+            if self.slots > MAX_SLOTS:
+                raise ConfigError(f"{field}.slots", f"{self.slots} is above the {MAX_SLOTS} slots a pool group can have")
 
 
 @dataclasses.dataclass(slots=True)
@@ -141,14 +149,21 @@ class StoreConfig:
             self.disk.resolve("tiers.disk")
             if not self.disk.path:
                 raise ConfigError("tiers.disk.path", "a directory is required")
-            if not os.path.isdir(self.disk.path):
+            if not os.path.exists(self.disk.path):
                 raise ConfigError("tiers.disk.path", f"directory {self.disk.path!r} does not exist")
+            if not os.path.isdir(self.disk.path):
+                raise ConfigError("tiers.disk.path", f"{self.disk.path!r} is not a directory")
             if self.disk.on_mismatch not in ("error", "wipe"):
                 raise ConfigError("tiers.disk.on_mismatch", f"expected 'error' or 'wipe', got {self.disk.on_mismatch!r}")
             if self.disk.o_direct not in ("auto", "on", "off"):
                 raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {self.disk.o_direct!r}")
             if self.disk.min_free is not None:
                 self.disk.min_free = parse_size(self.disk.min_free, "tiers.disk.min_free")
+                st = os.statvfs(self.disk.path)
+                if self.disk.min_free >= st.f_blocks * st.f_frsize:
+                    raise ConfigError("tiers.disk.min_free", f"{self.disk.min_free} bytes is not less than the "
+                                                             f"filesystem of {self.disk.path!r} "
+                                                             f"({st.f_blocks * st.f_frsize} bytes)")
         self.layout = Layout.build(lcs)
         for tier in self.tiers():
             self.slots_per_group(tier)     # validates that every group gets a slot
@@ -166,7 +181,35 @@ class StoreConfig:
             return [0] * len(groups)
         if cfg.slots is not None:
             return [cfg.slots] * len(groups)
-        return split_quota(cfg.quota, groups, self.layout.life_cycles, f"tiers.{tier}.quota")
+        slots = split_quota(cfg.quota, groups, self.layout.life_cycles, f"tiers.{tier}.quota")
+        for g, n in zip(groups, slots):
+            if n > MAX_SLOTS:
+                raise ConfigError(f"tiers.{tier}.quota", f"gives pool group {g.index} {n} slots of {g.slot_bytes} "
+                                                         f"bytes, above the {MAX_SLOTS} a group can have")
+        return slots
+
+    def check_memory(self, gpu_free: int | None, host_free: int) -> None:
+        """Refuse, before anything is allocated, a config whose slabs and core
+        tables do not fit the memory that exists: ``gpu_free`` bytes on the
+        CUDA device (None: the GPU tier is emulated in host memory) and
+        ``host_free`` bytes of host memory."""
+        need = {t: 0 for t in (GPU, HOST, DISK)}
+        core = 0
+        for tier in self.tiers():
+            for g, n in zip(self.layout.groups[tier], self.slots_per_group(tier)):
+                if tier != DISK:
+                    need[tier] += n * g.slot_bytes
+                core += n * CORE_BYTES_PER_SLOT
+        if gpu_free is not None and need[GPU] > gpu_free:
+            raise ConfigError("tiers.gpu.quota", f"the GPU tier needs {need[GPU]} bytes; the device has {gpu_free} free")
+        host = need[HOST] + core + (need[GPU] if gpu_free is None else 0)
+        if host > host_free:
+            parts = {"tiers.host.quota": need[HOST], "tiers.gpu.quota": need[GPU] if gpu_free is None else 0,
+                     "tiers.disk.quota": core}
+            field = max(parts, key=parts.get)
+            raise ConfigError(field, f"the store needs {host} bytes of host memory (host slabs {need[HOST]}, "
+                                     f"emulated GPU slabs {parts['tiers.gpu.quota']}, the core's slot tables "
+                                     f"{core}); {host_free} are available")
 
     # -- TOML shape -------------------------------------------------------------
     @classmethod

@@ -3,6 +3,7 @@ emulated streams so that the same code runs (and is tested) without a GPU."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import weakref
 
@@ -12,6 +13,30 @@ from .errors import ConfigError
 from .streams import CudaStream, HostStream, Stream
 
 log = logging.getLogger("kvtier")
+
+
+def host_available_bytes() -> int:
+    """Host memory a new allocation can have: MemAvailable, capped by the
+    cgroup's limit when the process runs in a container."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 class Device:
@@ -30,6 +55,12 @@ class Device:
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.torch_device.type == "cuda"
         self.pin_host = self.is_cuda if pin_host is None else pin_host
+
+    def free_bytes(self) -> int | None:
+        """Free memory on the CUDA device; None when the GPU tier is emulated in host memory."""
+        if not self.is_cuda:
+            return None
+        return torch.cuda.mem_get_info(self.torch_device)[0]
 
     @property
     def name(self) -> str:

@@ -705,6 +705,7 @@ class DiskTier:
                 needs_checkpoint.append(g)
         if self.fsync:
             _fsync_dir(self.path)
+        self._warn_if_quota_exceeds_free_space()
         for g in needs_checkpoint:
             try:
                 self._checkpoint_locked(g)
@@ -713,6 +714,17 @@ class DiskTier:
                     raise
                 log.warning("disk tier: compacting group %d's journal at open failed: %s", g.index, e)
         self._stats["discarded"] = len(self.discarded)
+
+    def _warn_if_quota_exceeds_free_space(self) -> None:
+        """The quota is a ceiling, not a reservation: say so at open when the filesystem cannot hold it."""
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize - (self.min_free or 0)
+        growth = sum(max(0, g.max_size - g.size) for g in self.groups)
+        if growth > free:
+            log.warning("disk tier %s: the quota needs %d more bytes but the filesystem has %d free%s; the tier "
+                        "will stop growing when it fills (writes then fail with DiskFullError)", self.path, growth,
+                        max(0, free), f" above min_free={self.min_free}" if self.min_free else "")
+        self._stats["quota_beyond_free_bytes"] = max(0, growth - max(0, free))
 
     @staticmethod
     def _layout_difference(have: Any, want: list) -> str | None:

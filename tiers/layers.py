@@ -13,6 +13,10 @@ from typing import Iterable, Sequence
 from .errors import ConfigError
 from .policy import ReusePolicy
 
+MAX_LAYERS = 1 << 16            # layer ids in one config (the journal keeps a life cycle in 16 bits)
+MAX_LAYER_ID = (1 << 31) - 1
+MAX_BUFFER_BYTES = 1 << 40      # bytes per block of one buffer
+
 KINDS = ("attention", "ssm")
 
 
@@ -67,6 +71,9 @@ class LayerSpec:
         for role, size in self.buffers:
             if not _is_int(size) or size <= 0:
                 raise ConfigError(f"{f}.buffers.{role}", f"bytes per block must be a positive integer, got {size!r}")
+            if size > MAX_BUFFER_BYTES:
+                raise ConfigError(f"{f}.buffers.{role}",
+                                  f"{size} bytes per block is above the {MAX_BUFFER_BYTES} (1 TiB) this build handles")
         if self.window_tokens is not None and self.window_tokens <= 0:
             raise ConfigError(f"{f}.window_tokens", "must be positive")
         if self.sink_tokens < 0:
@@ -195,6 +202,8 @@ def parse_layer_ids(value: "str | int | Sequence[int]", field: str) -> list[int]
             a, b = int(lo), int(hi) if sep else int(lo)
             if b < a:
                 raise ConfigError(field, f"empty layer id range {part!r}")
+            if b - a + 1 + len(ids) > MAX_LAYERS:
+                raise ConfigError(field, f"more than {MAX_LAYERS} layer ids ({part!r})")
             ids.extend(range(a, b + 1))
     elif isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         ids = list(value)
@@ -202,6 +211,8 @@ def parse_layer_ids(value: "str | int | Sequence[int]", field: str) -> list[int]
         raise ConfigError(field, f"invalid layer ids {value!r}")
     if any(i < 0 for i in ids):
         raise ConfigError(field, "layer ids must not be negative")
+    if len(ids) > MAX_LAYERS or any(i > MAX_LAYER_ID for i in ids):
+        raise ConfigError(field, f"at most {MAX_LAYERS} layer ids, each at most {MAX_LAYER_ID}")
     if len(set(ids)) != len(ids):
         raise ConfigError(field, "duplicate layer id in one entry")
     if not ids:
