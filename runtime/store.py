@@ -84,6 +84,7 @@ class Store:
         self.engine: MigrationEngine | None = None
         self.nodes = IndexView(self)
         self._starting: asyncio.Future | None = None
+        self._closing: asyncio.Future | None = None
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -114,6 +115,8 @@ class Store:
         share one start, and the store is usable only once it finished."""
         if self.started:
             return
+        if self.closed or self._closing is not None:
+            raise StoreClosedError("store is closed: open a new one")
         if self._starting is None:
             self._starting = asyncio.ensure_future(self._start())
         await asyncio.shield(self._starting)
@@ -163,15 +166,22 @@ class Store:
         self.engine = MigrationEngine(self.device, self.lcs, gpu, host, self.disk, cold_bytes)
 
     async def close(self) -> None:
-        """Wait for in-flight moves, optionally persist, release everything."""
+        """Wait for in-flight moves, optionally persist, release everything.
+        A close whose caller is cancelled goes on to the end in the
+        background (a later close waits for it): stopping half-way would
+        leave moves, persisting and the disk tier in between."""
         if self.closed:
             return
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         if self._starting is not None and not self._starting.done():
             await asyncio.wait([self._starting])        # a start in flight finishes (or fails) first
         for r in getattr(self, "reclaimers", {}).values():
             await r.stop()
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._wait_tasks()
         if self.started and self.disk is not None and self.cfg.persist_on_close:
             try:
                 await persist(self)
@@ -273,8 +283,10 @@ class Store:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task.done():
+            if task.done():         # it finished just as its caller was cancelled: the caller sees no effect
                 seq.busy = False
+                if not task.cancelled() and task.exception() is None and not seq.closed:
+                    undo(seq, task.result())
                 raise
 
             def _after(t: asyncio.Task) -> None:
@@ -682,9 +694,14 @@ class Store:
     async def drain(self) -> None:
         """Wait until no move, eviction or background demotion is in flight."""
         while self._tasks or any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
-            if self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self._wait_tasks()
             await asyncio.sleep(0.001)
+
+    async def _wait_tasks(self) -> None:
+        """Wait for the store's tasks to end. ``asyncio.wait``, not ``gather``:
+        a waiter that is cancelled must not cancel the moves it waits for."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     def check_consistency(self) -> None:
         """Assert the bookkeeping invariants (tests and ``kvtier stress`` call it)."""

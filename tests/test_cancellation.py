@@ -1,0 +1,113 @@
+"""Cancellation never wedges the store (issue 12.9): a caller that gives up
+on drain, close or acquire takes nothing down with it."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from runtime import Store, StoreClosedError
+
+from helpers import DEVICE, config, expected_block, fill, read_block, toks
+
+pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="gates the emulated streams' worker threads")
+
+
+async def _check_all(store, bases) -> None:
+    for base in bases:
+        seq = await store.open_sequence(tokens=toks(base, 4))
+        assert seq.matched_blocks == 4, base
+        await seq.acquire()
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+        await seq.close()
+
+
+async def test_a_cancelled_drain_cancels_no_move(tmp_path):
+    """drain() used to gather the store's tasks: cancelling it cancelled the moves it waited for,
+    and later operations failed with 'slot ... holds a live page'."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 3):
+            await fill(store, toks(base, 4))
+        gate = threading.Event()
+        store.engine.io_write.submit(gate.wait)          # the disk writer is busy: spills queue up
+        more = asyncio.ensure_future(fill(store, toks(3, 4)))      # needs a spill to disk
+        await asyncio.sleep(0.02)
+        assert store._tasks and not more.done()
+        drain = asyncio.ensure_future(store.drain())
+        await asyncio.sleep(0.02)
+        drain.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await drain
+        assert store._tasks and not any(t.cancelled() for t in store._tasks)
+        gate.set()
+        await asyncio.wait_for(more, 10)                 # (it used to wedge here)
+        await fill(store, toks(4, 4))
+        await asyncio.wait_for(store.drain(), 10)
+        store.check_consistency()
+        for base in range(5, 12):
+            await fill(store, toks(base, 4))
+        await _check_all(store, range(1, 12))
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        assert store.stats()["recovered_pages"] == 44
+        await _check_all(store, range(1, 12))
+
+
+async def test_a_cancelled_close_still_closes(tmp_path):
+    """Cancelling close() used to cancel the store's tasks: a request that cancelled nothing got
+    CancelledError, and pages in flight were lost to the restart."""
+    store = await Store.open(config(gpu=8, host=8, disk=64, disk_dir=tmp_path))
+    for base in range(1, 8):
+        await fill(store, toks(base, 4))
+    gate = threading.Event()
+    store.engine.io_write.submit(gate.wait)
+    other = asyncio.ensure_future(fill(store, toks(8, 4)))     # another caller's request, waiting on a spill
+    await asyncio.sleep(0.02)
+    assert not other.done()
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0.02)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    gate.set()
+    await other                                          # it completes: nobody cancelled it
+    await store.close()                                  # waits for the close under way
+    assert store.closed
+    async with Store.open(config(gpu=8, host=8, disk=64, disk_dir=tmp_path)) as again:
+        assert again.stats()["recovered_pages"] == 32    # every committed page was persisted
+        await _check_all(again, range(1, 9))
+
+
+async def test_an_acquire_cancelled_as_it_finishes_leaves_nothing_locked():
+    """The acquire's task finished in the same loop iteration as its caller was cancelled: the
+    caller saw CancelledError but the sequence stayed acquired with its pages locked."""
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await fill(store, toks(1, 4))
+        await fill(store, toks(2, 4))                    # sequence 1's pages went to the host
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        task = asyncio.ensure_future(seq.acquire())
+        while seq.task is None or not seq.task.done():   # run until the inner task is done ...
+            await asyncio.sleep(0)
+        task.cancel()                                    # ... and cancel the caller before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not seq.acquired and not seq.busy
+        assert all(p.locks == 0 for row in seq.pages for p in row)
+        await seq.acquire()                              # and it can be acquired again
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+        await seq.close()
+        store.check_consistency()
+
+
+async def test_start_after_close_is_refused_and_holds_no_lock(tmp_path):
+    store = Store.open(config(gpu=4, disk=16, disk_dir=tmp_path))
+    await store.close()                                  # never started
+    with pytest.raises(StoreClosedError):
+        await store.start()
+    async with Store.open(config(gpu=4, disk=16, disk_dir=tmp_path)):
+        pass                                             # the directory's lock is free
