@@ -85,6 +85,7 @@ class Store:
         self.nodes = IndexView(self)
         self._starting: asyncio.Future | None = None
         self._closing: asyncio.Future | None = None
+        self.corrupt_pages = 0             # pages a read found damaged: dropped, their blocks recomputed
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -377,30 +378,38 @@ class Store:
             if holes:
                 await self._fill_holes(seq, holes)
                 continue
-            if not claims:
-                break
-            waits = self.claims.pending(claims)
-            if not waits:
-                raise CoreError(f"pages claimed by settled operations {claims}")
-            await asyncio.wait(waits)
-            for f in waits:
-                if not f.cancelled() and f.exception() is not None and f.to_gpu:
-                    raise f.exception()
-        pages = core.lock_needed(seq.sid)
-        try:
-            cold = core.cold_pages(pages)
-            if cold:
-                self._claim(cold, GPU)
-                try:
-                    slots = await self._obtain_many(GPU, core.group_counts(cold, GPU))
-                except BaseException as exc:
-                    self._unclaim(cold, exc)
-                    raise
-                await self._move_claimed(cold, GPU, slots, handoff=False)
-        except BaseException:
-            core.unlock(pages)
-            self._sync()
-            raise
+            if claims:
+                waits = self.claims.pending(claims)
+                if not waits:
+                    raise CoreError(f"pages claimed by settled operations {claims}")
+                await asyncio.wait(waits)
+                for f in waits:
+                    exc = None if f.cancelled() else f.exception()
+                    if exc is not None and f.to_gpu and not isinstance(exc, CorruptPageError):
+                        raise exc
+                continue
+            pages = core.lock_needed(seq.sid)
+            try:
+                cold = core.cold_pages(pages)
+                if cold:
+                    self._claim(cold, GPU)
+                    try:
+                        slots = await self._obtain_many(GPU, core.group_counts(cold, GPU))
+                    except BaseException as exc:
+                        self._unclaim(cold, exc)
+                        raise
+                    await self._move_claimed(cold, GPU, slots, handoff=False)
+            except CorruptPageError:
+                # The bad pages were dropped (with the rest of their prefix where it is critical): the
+                # next pass finds their blocks empty and gives them fresh pages to recompute.
+                core.unlock(pages)
+                self._sync()
+                continue
+            except BaseException:
+                core.unlock(pages)
+                self._sync()
+                raise
+            break
         core.finish_acquire(seq.sid, pages)
         return pages
 
@@ -647,8 +656,10 @@ class Store:
             core.give_back(dst_tier, g, dst_slots)
             self._unclaim(batch, exc)
             if isinstance(exc, CorruptPageError):
-                for depth in core.discard_corrupt(batch, list(getattr(exc, "slots", ()))):
-                    log.warning("discarding corrupt disk page (depth %d)", depth)
+                depths = core.discard_corrupt(batch, list(getattr(exc, "slots", ())))
+                self.corrupt_pages += len(depths)
+                log.warning("dropped %d corrupt disk page(s) at depths %s: their blocks will be recomputed",
+                            len(depths), sorted(depths)[:16])
                 self._sync()
             raise
         claims, freed = core.land(batch, dst_tier, g, dst_slots, self.events.id(ev), handoff)
@@ -684,6 +695,7 @@ class Store:
             "recovered_pages": counters["recovered"],
             "orphaned_pages": counters["orphaned"],
             "discarded_pages": counters["discarded"] + (len(self.disk.discarded) if self.disk is not None else 0),
+            "corrupt_pages": self.corrupt_pages,
             "core": {"live_pages": core.live_pages(), "live_blocks": core.live_blocks(),
                      "memory_bytes": core.memory_bytes()},
         }

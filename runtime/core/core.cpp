@@ -458,9 +458,11 @@ Ids Core::fill_holes(int32_t s, const Ids& holes, std::vector<Ids>& slots) {
   Seq& q = live_seq(s);
   int nl = n_lcs();
   Ids fences;
+  int32_t first_critical = INT32_MAX;      // the first refilled block whose page the prefix needed
   for (size_t i = 0; i + 1 < holes.size(); i += 2) {
     int32_t b = holes[i], lc = holes[i + 1];
     require(b >= 0 && size_t(b) < q.blocks.size() && lc >= 0 && lc < nl, "fill_holes: bad hole");
+    if (lcs_[lc].prefix_critical(b, tpb_)) first_critical = std::min(first_critical, b);
     int32_t g = group_of_[GPU][lc];
     require(!slots[g].empty(), "fill_holes: too few slots");
     int32_t slot = slots[g].back();
@@ -481,6 +483,11 @@ Ids Core::fill_holes(int32_t s, const Ids& holes, std::vector<Ids>& slots) {
       maybe_recycle(old);
     }
   }
+  // An engine recomputes a suffix: from a lost prefix-critical page on, every matched block's pages
+  // are rewritten (their bytes stay valid meanwhile), as after a failed load in vLLM's connector.
+  for (int32_t b = first_critical; b < q.committed; ++b)
+    for (int lc = 0; lc < nl; ++lc)
+      if (q.pages[size_t(b) * nl + lc] >= 0) q.recompute[size_t(b) * nl + lc] = 1;
   std::sort(fences.begin(), fences.end());
   fences.erase(std::unique(fences.begin(), fences.end()), fences.end());
   if (!fences.empty() && fences.front() == 0) fences.erase(fences.begin());

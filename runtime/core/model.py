@@ -966,9 +966,12 @@ class ModelCore:
         q = self._live_seq(s)
         nl = self._n_lcs
         fences = []
+        first_critical = None            # the first refilled block whose page the prefix needed
         for i in range(0, len(holes) - 1, 2):
             b, lc = holes[i], holes[i + 1]
             _require(0 <= b < len(q.blocks) and 0 <= lc < nl, "fill_holes: bad hole")
+            if self.lcs[lc].prefix_critical(b, self.tpb):
+                first_critical = b if first_critical is None else min(first_critical, b)
             g = self.group_of[GPU][lc]
             _require(bool(slots_of[g]), "fill_holes: too few slots")
             slot = slots_of[g].pop()
@@ -982,6 +985,13 @@ class ModelCore:
             if old >= 0:                        # a dead page the row still named
                 self.pt[old].holders -= 1
                 self._maybe_recycle(old)
+        # an engine recomputes a suffix: from a lost prefix-critical page on, every matched block's
+        # pages are rewritten
+        if first_critical is not None:
+            for b in range(first_critical, q.committed):
+                for lc in range(nl):
+                    if q.pages[b][lc] >= 0:
+                        q.recompute[b][lc] = True
         fences = sorted(set(fences))
         if fences and fences[0] == 0:
             fences.pop(0)
