@@ -24,7 +24,7 @@ import torch
 
 from tiers.config import StoreConfig
 from tiers.device import Device, host_available_bytes
-from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
+from tiers.errors import CorruptPageError, DiskFullError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
 from tiers.grouping import Layout
 from tiers.journal import RECORD
 from tiers.pools import SlabPool
@@ -86,6 +86,9 @@ class Store:
         self._starting: asyncio.Future | None = None
         self._closing: asyncio.Future | None = None
         self.corrupt_pages = 0             # pages a read found damaged: dropped, their blocks recomputed
+        self.disk_full_events = 0          # spills the full filesystem refused ...
+        self.disk_full_dropped = 0         # ... and the evicted pages dropped instead
+        self._disk_full_logged = float("-inf")
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -606,11 +609,29 @@ class Store:
                 self._unclaim(victims, None)
                 raise
             else:
-                return await self._move_claimed(victims, nxt, slots, handoff=True)
+                try:
+                    return await self._move_claimed(victims, nxt, slots, handoff=True)
+                except DiskFullError as exc:
+                    # the filesystem takes no more: the disk keeps what it has, and victims that are
+                    # only cached copies are dropped instead of spilled (a later spill retries)
+                    if nxt != DISK or not self.core.droppable(victims):
+                        raise
+                    self._disk_full(exc, len(victims))
+                break
         claims, freed = self.core.drop_victims(tier, victims)
         self.claims.settle(claims)
         self._sync()
         return freed
+
+    def _disk_full(self, exc: DiskFullError, dropped: int) -> None:
+        """Count a spill the full filesystem refused, and say so (once a minute at most)."""
+        self.disk_full_events += 1
+        self.disk_full_dropped += dropped
+        now = asyncio.get_running_loop().time()
+        if now - self._disk_full_logged >= 60.0:
+            self._disk_full_logged = now
+            log.warning("disk tier is full (%s): evicted pages are dropped instead of spilled until it has "
+                        "room again; %d spill(s) refused so far", exc, self.disk_full_events)
 
     async def _move_claimed(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
                             handoff: bool) -> list[int]:
@@ -696,6 +717,7 @@ class Store:
             "orphaned_pages": counters["orphaned"],
             "discarded_pages": counters["discarded"] + (len(self.disk.discarded) if self.disk is not None else 0),
             "corrupt_pages": self.corrupt_pages,
+            "disk_full": {"refused_spills": self.disk_full_events, "dropped_pages": self.disk_full_dropped},
             "core": {"live_pages": core.live_pages(), "live_blocks": core.live_blocks(),
                      "memory_bytes": core.memory_bytes()},
         }

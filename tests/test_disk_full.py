@@ -1,0 +1,49 @@
+"""A full filesystem degrades the disk tier; it never fails requests (issue 12.8)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, Store, StoreConfig
+
+from helpers import DEVICE, expected_block, fill, read_block, toks
+
+PAGE = (("k", 2048), ("v", 2048))        # 4 KiB pages: one page per 4 KiB of segment
+
+
+def _cfg(path, min_free: int) -> StoreConfig:
+    return StoreConfig(layers=[LayerSpec(0, PAGE)], tokens_per_block=4, gpu=GpuConfig(slots=8, device=DEVICE),
+                       host=HostConfig(slots=8), disk=DiskConfig(path=str(path), slots=4096, fsync=False,
+                                                                 min_free=min_free),
+                       persist_on_close=False)
+
+
+async def test_spills_past_a_full_disk_drop_instead_of_failing(tmp_path, caplog):
+    st = os.statvfs(tmp_path)
+    room = 24 * 4096                      # the filesystem "fills" after about 24 pages of segment
+    cfg = _cfg(tmp_path, st.f_bavail * st.f_frsize - room)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        async with Store.open(cfg) as store:
+            for base in range(40):                       # 160 blocks through 8 + 8 + (24 that fit) pages
+                await fill(store, toks(base, 4))
+            stats = store.stats()
+            assert stats["disk_full"]["refused_spills"] > 0 and stats["disk_full"]["dropped_pages"] > 0
+            served = 0
+            for base in range(40):                       # every re-read succeeds: a hit is exact, the rest miss
+                seq = await store.open_sequence(tokens=toks(base, 4))
+                await seq.acquire()
+                for b in range(seq.matched_blocks):
+                    assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+                served += seq.matched_blocks
+                await seq.extend(4 - seq.num_blocks)
+                await seq.release()
+                await seq.close()
+            assert served > 16                           # the disk kept serving what it holds
+            assert store.disk.stats["pages_read"] > 0
+            await store.drain()
+            store.check_consistency()
+    assert "disk tier is full" in caplog.text
+    assert sum("disk tier is full" in r.getMessage() for r in caplog.records) == 1     # said once, not per spill
