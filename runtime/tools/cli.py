@@ -147,18 +147,21 @@ def _flag_config(args, disk_dir: str | None) -> StoreConfig:
 def cmd_replay(args) -> int:
     from .replay import replay
     from ..store import Store
-    from .trace import read_trace, report_skipped
-    requests, problems = read_trace(args.trace, args.limit, args.strict)
-    report_skipped(args.trace, problems)
+    from .trace import TraceStream, report_skipped
+    # streamed as the replay goes: a multi-GB trace starts at once, in bounded memory
+    requests = TraceStream(args.trace, args.limit, args.strict)
 
     async def main(cfg: StoreConfig) -> dict:
         async with Store.open(cfg) as store:
-            with progress_bar(len(requests), "replay", not args.json) as advance:
-                res = await replay(store, requests, concurrency=args.concurrency,
-                                   honor_timestamps=args.honor_timestamps, speed=args.speed,
-                                   content=not args.no_content, verify=not args.no_content, progress=advance)
+            try:
+                with progress_bar(args.limit, "replay", not args.json) as advance:     # no total known before the end
+                    res = await replay(store, requests, concurrency=args.concurrency,
+                                       honor_timestamps=args.honor_timestamps, speed=args.speed,
+                                       content=not args.no_content, verify=not args.no_content, progress=advance)
+            finally:
+                report_skipped(args.trace, requests.problems, requests.skipped)
             out = res.as_dict()
-            out["skipped_lines"] = len(problems)
+            out["skipped_lines"] = requests.skipped
             return out
 
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:

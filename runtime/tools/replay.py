@@ -11,7 +11,7 @@ import asyncio
 import collections
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 
 import torch
 
@@ -110,9 +110,27 @@ class ReplayResult:
         }
 
 
-async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency: int = 1,
-                 honor_timestamps: bool = False, speed: float = 1.0, content: bool = True,
+async def _each(requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest]) -> AsyncIterator[TraceRequest]:
+    """One async loop over a list (the benchmarks') or a stream (the CLI's
+    TraceStream); a stream left early is closed, so its file is too."""
+    if not isinstance(requests, AsyncIterable):
+        for req in requests:
+            yield req
+        return
+    source = aiter(requests)
+    try:
+        async for req in source:
+            yield req
+    finally:
+        if hasattr(source, "aclose"):
+            await source.aclose()
+
+
+async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest], *,
+                 concurrency: int = 1, honor_timestamps: bool = False, speed: float = 1.0, content: bool = True,
                  verify: bool = True, progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Serve ``requests`` (a list, or an async iterable such as a TraceStream,
+    consumed as the replay goes) in order, at most ``concurrency`` at a time."""
     res = ReplayResult()
     writer = PageWriter(store) if content else None
     lag = LoopLagMonitor().start()
@@ -179,9 +197,10 @@ async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency:
             if not seq.closed:
                 await seq.close()
 
+    each = _each(requests)
     try:
         if concurrency <= 1 and not honor_timestamps:
-            for req in requests:                # one at a time: nothing to wait for on OutOfPagesError
+            async for req in each:              # one at a time: nothing to wait for on OutOfPagesError
                 try:
                     await serve(req, first=True)
                 except OutOfPagesError:
@@ -200,23 +219,27 @@ async def replay(store: Store, requests: Sequence[TraceRequest], *, concurrency:
                 room.release()
                 if not t.cancelled() and t.exception() is not None:
                     failures.append(t.exception())
-            base = requests[0].timestamp if requests else 0.0
-            for req in requests:
-                if failures:
-                    break
-                if honor_timestamps:
-                    delay = (req.timestamp - base) / 1000.0 / speed - (time.perf_counter() - t0)
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                await room.acquire()
-                t = asyncio.ensure_future(one(req))
-                running.add(t)
-                t.add_done_callback(ended)
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
+            base: float | None = None
+            try:
+                async for req in each:
+                    if failures:
+                        break
+                    if honor_timestamps:
+                        base = req.timestamp if base is None else base
+                        delay = (req.timestamp - base) / 1000.0 / speed - (time.perf_counter() - t0)
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                    await room.acquire()
+                    t = asyncio.ensure_future(one(req))
+                    running.add(t)
+                    t.add_done_callback(ended)
+            finally:                            # a stream can fail mid-trace: let the requests in flight end first
+                if running:
+                    await asyncio.gather(*running, return_exceptions=True)
             if failures:
                 raise failures[0]
     finally:
+        await each.aclose()
         res.seconds = time.perf_counter() - t0
         await lag.stop()
     res.loop_lag_ms = lag.percentiles_ms()
