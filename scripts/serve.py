@@ -29,7 +29,23 @@ Block keys in JSON are integers (Mooncake ``hash_ids``) or hex strings
 (bytes keys). Errors: ``{"error": <type name>, "message": ...}`` with
 UsageError/ConfigError/bad input -> 400, unknown sequence -> 404,
 StoreClosedError -> 410, OutOfPagesError -> 503, CorruptPageError,
-DiskFullError, TierIOError and anything unexpected -> 500.
+DiskFullError, TierIOError and anything unexpected -> 500. A refusal by one
+of the limits below also names it (``"limit": "max_tokens"``...): too many
+tokens or body bytes -> 413, a compressed body -> 415, too many open
+sequences -> 429, request bodies in flight at their cap -> 503.
+
+Limits. Sequence ids are random (``secrets``): holding one is the right to
+use it. Every sequence has a lease (``--lease-seconds``), renewed by each
+request that names it; a sweeper releases and closes the sequences of
+clients that vanished, so their pages come back. A client (its peer IP
+address: behind a proxy all clients share one, so raise the per-client cap
+there) holds at most ``--max-sequences-per-client`` open sequences, the
+server ``--max-sequences``. A request carries at most ``--max-tokens``
+tokens (or that many tokens' worth of block keys; a sequence grows to at
+most as many by appends) in a body of at most ``--max-body-bytes``, and the
+bodies of all requests in flight together take at most
+``--max-inflight-bytes``. Bodies over 64 KiB are decoded and checked on a
+worker thread (one at a time), token lists as numpy arrays.
 
 Page content. Block ``i``'s page for ``(layer, role)`` holds
 ``tile(blake2b(key || layer || role, 64 bytes)) + (byte offset // 64)``
@@ -57,16 +73,18 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import itertools
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from typing import Any
+from collections import Counter as Tally      # prometheus_client's Counter has the name
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -74,7 +92,7 @@ if _ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from aiohttp import web  # noqa: E402
+from aiohttp import hdrs, web  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
@@ -87,7 +105,8 @@ log = logging.getLogger("kvtier.serve")
 
 LAG_INTERVAL = 0.010          # the lag monitor's tick: each records how late it ran against its schedule
 SHUTDOWN_TIMEOUT = 5.0        # seconds in-flight requests get at shutdown
-MAX_BODY = 8 << 20            # bytes of request body accepted
+OFFLOAD_BYTES = 64 << 10      # bodies above this are decoded and checked on the parser thread
+EXTRA_VALUES = 64             # JSON values a body may hold besides its tokens (the comma pre-check's slack)
 
 STATE_KEY = web.AppKey("state", object)
 
@@ -159,7 +178,25 @@ def page_content(key, layer: int, role: str, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(pattern, dtype=np.uint8))
 
 
-# -- request parsing ----------------------------------------------------------------------------------
+# -- limits and errors ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What clients and requests may take, so that none can hold the store's
+    pages or the event loop for long (see the module docstring)."""
+
+    lease_seconds: float = 60.0
+    max_sequences: int = 1024
+    max_sequences_per_client: int = 64
+    max_tokens: int = 1 << 17
+    max_body_bytes: int = 4 << 20
+    max_inflight_bytes: int = 32 << 20
+
+    @property
+    def sweep_interval(self) -> float:
+        """How often expired leases are looked for: a quarter lease, within 10 ms..5 s."""
+        return min(max(self.lease_seconds / 4, 0.01), 5.0)
+
+
 class BadRequest(Exception):
     """Malformed input (400)."""
 
@@ -168,14 +205,44 @@ class UnknownSequence(Exception):
     """No open sequence with that id (404)."""
 
 
-async def read_body(request: web.Request, required: bool = True) -> dict:
-    if not request.can_read_body:
-        if required:
-            raise BadRequest("a JSON object body is required")
-        return {}
-    raw = await request.read()
-    if not raw.strip() and not required:
-        return {}
+class UnsupportedEncoding(Exception):
+    """A compressed request body (415): its decoded size is unknown until decoded."""
+
+
+class LimitExceeded(Exception):
+    """A configured limit refused the request; the JSON error names it."""
+
+    status = 429
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class TooManySequences(LimitExceeded):
+    """Open sequences at the client's or the server's cap (429)."""
+
+
+class PayloadTooLarge(LimitExceeded):
+    """More tokens or body bytes than a request may carry (413)."""
+
+    status = 413
+
+
+class ServerBusy(LimitExceeded):
+    """Request bodies in flight at their cap (503: try again soon)."""
+
+    status = 503
+
+
+# -- request parsing ----------------------------------------------------------------------------------
+def decode_json(raw: bytes, max_tokens: int) -> dict:
+    """``raw`` as a JSON object. A body with more values than a request may
+    carry is refused before parsing (counting commas is a C scan), so the
+    parse, which holds the GIL even on a worker thread, stays short."""
+    if raw.count(b",") > max_tokens + EXTRA_VALUES:
+        raise PayloadTooLarge("max_tokens", f"the body holds more than {max_tokens + EXTRA_VALUES} values; "
+                                            f"a request carries at most {max_tokens} tokens (--max-tokens)")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:       # bad JSON or UTF-8, or nesting past the parser
@@ -183,6 +250,52 @@ async def read_body(request: web.Request, required: bool = True) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+async def read_raw(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:             # a chunked body past client_max_size
+        limit = _state(request).limits.max_body_bytes
+        raise PayloadTooLarge("max_body_bytes", f"the body is over {limit} bytes (--max-body-bytes)") from None
+
+
+async def read_body(request: web.Request, required: bool = True) -> dict:
+    if not request.can_read_body:
+        if required:
+            raise BadRequest("a JSON object body is required")
+        return {}
+    raw = await read_raw(request)
+    if not raw.strip() and not required:
+        return {}
+    st = _state(request)
+    return await st.offload(len(raw), decode_json, raw, st.limits.max_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A body's tokens (an int64 array) or block keys: exactly one is set."""
+
+    tokens: np.ndarray | None = None
+    keys: list | None = None
+
+    def token_count(self, tokens_per_block: int) -> int:
+        """Its length in tokens (block keys count a block's worth each)."""
+        return len(self.tokens) if self.tokens is not None else len(self.keys) * tokens_per_block
+
+
+async def read_prompt(request: web.Request) -> tuple[dict, Prompt]:
+    """The body and its prompt, decoded and checked off the loop when large."""
+    if not request.can_read_body:
+        raise BadRequest("a JSON object body is required")
+    raw = await read_raw(request)
+    st = _state(request)
+    return await st.offload(len(raw), decode_prompt, raw, st.limits.max_tokens, st.cfg.tokens_per_block)
+
+
+def decode_prompt(raw: bytes, max_tokens: int, tokens_per_block: int) -> tuple[dict, Prompt]:
+    body = decode_json(raw, max_tokens)
+    return body, parse_prompt(body, max_tokens, tokens_per_block)
 
 
 def _int(value, field: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -193,19 +306,40 @@ def _int(value, field: str, lo: int | None = None, hi: int | None = None) -> int
     return value
 
 
-def parse_tokens(body: dict) -> tuple[list[int] | None, list | None]:
+def parse_prompt(body: dict, max_tokens: int, tokens_per_block: int) -> Prompt:
     tokens, keys = body.get("tokens"), body.get("block_keys")
     if (tokens is None) == (keys is None):
         raise BadRequest('pass exactly one of "tokens" or "block_keys"')
     if tokens is not None:
-        if not isinstance(tokens, list):
-            raise BadRequest('"tokens" must be a list of integers')
-        for t in tokens:
-            if not isinstance(t, int) or isinstance(t, bool) or not -2**63 <= t < 2**63:
-                raise BadRequest(f'"tokens" must hold 64-bit integers, got {t!r}'[:200])
-        return tokens, None
+        return Prompt(tokens=token_ids(tokens, max_tokens))
+    return Prompt(keys=block_keys(keys, max(1, max_tokens // tokens_per_block), max_tokens))
+
+
+def token_ids(tokens: object, max_tokens: int) -> np.ndarray:
+    """JSON token ids as an int64 array, checked in C (numpy); only a bad
+    list is walked in Python, to name its first bad token."""
+    if not isinstance(tokens, list):
+        raise BadRequest('"tokens" must be a list of integers')
+    if len(tokens) > max_tokens:
+        raise PayloadTooLarge("max_tokens", f"{len(tokens)} tokens: a request carries at most {max_tokens} "
+                                            "(--max-tokens)")
+    if not set(map(type, tokens)) <= {int}:                 # floats, strings, bools (a bool is no int here)
+        bad = next(t for t in tokens if type(t) is not int)
+        raise BadRequest(f'"tokens" must hold 64-bit integers, got {bad!r}'[:200])
+    try:
+        return np.array(tokens, dtype=np.int64)
+    except OverflowError:
+        bad = next(t for t in tokens if not -2**63 <= t < 2**63)
+        raise BadRequest(f'"tokens" must hold 64-bit integers, got {bad!r}'[:200]) from None
+
+
+def block_keys(keys: object, max_keys: int, max_tokens: int) -> list:
+    """JSON block keys (integers or hex strings) as the store's int or bytes keys."""
     if not isinstance(keys, list):
         raise BadRequest('"block_keys" must be a list of integers or hex strings')
+    if len(keys) > max_keys:
+        raise PayloadTooLarge("max_tokens", f"{len(keys)} block keys: a request carries at most {max_keys}, "
+                                            f"{max_tokens} tokens' worth (--max-tokens)")
     out: list = []
     for k in keys:
         if isinstance(k, int) and not isinstance(k, bool):
@@ -217,7 +351,7 @@ def parse_tokens(body: dict) -> tuple[list[int] | None, list | None]:
                 raise BadRequest(f"block key {k!r} is not a hex string"[:200]) from None
         else:
             raise BadRequest(f"block key {k!r} must be an integer or a hex string"[:200])
-    return None, out
+    return out
 
 
 def _num_blocks(body: dict) -> int:
@@ -230,9 +364,10 @@ def _num_blocks(body: dict) -> int:
 class Session:
     """One open sequence and what the server knows about its pages."""
 
-    __slots__ = ("id", "seq", "lock", "acquired", "written", "closed", "created")
+    __slots__ = ("id", "seq", "lock", "acquired", "written", "closed", "created", "client", "expires")
 
-    def __init__(self, sid: str, seq: runtime.Sequence) -> None:
+    def __init__(self, sid: str, seq: runtime.Sequence, client: str = "",
+                 lease: float = Limits.lease_seconds) -> None:
         self.id = sid
         self.seq = seq
         self.lock = asyncio.Lock()       # one HTTP operation on a sequence at a time
@@ -240,6 +375,12 @@ class Session:
         self.written: set[tuple[int, int]] = set()   # (block, layer) pages this server filled
         self.closed = False
         self.created = time.monotonic()
+        self.client = client             # who it counts against (max_sequences_per_client)
+        self.expires = self.created + lease
+
+    def renew(self, lease: float) -> None:
+        """Push the lease out: its client is still there."""
+        self.expires = time.monotonic() + lease
 
 
 class LagMonitor(LoopLagMonitor):
@@ -319,6 +460,8 @@ class StoreCollector:
                                   value=stats["discarded_pages"])
         yield GaugeMetricFamily("kvtier_open_sequences", "Sequences open through this server",
                                 value=len(st.sessions))
+        yield CounterMetricFamily("kvtier_expired_sequences", "Sequences closed because their lease ran out",
+                                  value=st.expired)
         lag = GaugeMetricFamily("kvtier_event_loop_lag_seconds",
                                 f"Event-loop lag: how late a {LAG_INTERVAL * 1000:.0f} ms ticker runs against its "
                                 "schedule (quantile 1: the longest stall)", labels=["quantile"])
@@ -332,11 +475,18 @@ class StoreCollector:
 
 
 class ServerState:
-    def __init__(self, cfg: runtime.StoreConfig) -> None:
+    def __init__(self, cfg: runtime.StoreConfig, limits: Limits | None = None) -> None:
         self.cfg = cfg
+        self.limits = limits or Limits()
         self.store: runtime.Store | None = None
         self.sessions: dict[str, Session] = {}
-        self.ids = itertools.count(1)
+        self.held: Tally[str] = Tally()     # open (or opening) sequences per client
+        self.expired = 0
+        self.sweeper: asyncio.Task | None = None
+        self.inflight_bytes = 0             # request body bytes admitted and not yet answered
+        # large bodies decode here, one at a time: json.loads holds the GIL, so a queue of them
+        # would hold the loop for their sum; one at a time lets the loop in between
+        self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-serve-parse")
         self.registry = CollectorRegistry(auto_describe=False)
         self.lag = LagMonitor(Histogram(
             "kvtier_event_loop_lag_overshoot_seconds", "Event-loop lag samples (lateness of a 10 ms ticker)",
@@ -360,17 +510,24 @@ class ServerState:
             for layer, role, nbytes in lc.buffers:
                 self.roles.setdefault(layer, []).append((role, nbytes))
         self.lag.start()
+        self.sweeper = asyncio.create_task(self.sweep_forever(), name="kvtier-serve-lease-sweeper")
 
     async def close_store(self) -> None:
         self.shutting_down = True
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.sweeper
         for sess in list(self.sessions.values()):
             await self._close_session(sess)
         await self.lag.stop()
+        self.parser.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             await self.store.close()
 
     async def _close_session(self, sess: Session) -> None:
-        self.sessions.pop(sess.id, None)
+        if self.sessions.pop(sess.id, None) is sess:
+            self.unreserve(sess.client)
         if sess.closed:
             return
         sess.closed = True
@@ -379,18 +536,112 @@ class ServerState:
         except runtime.KvtierError as exc:
             log.warning("closing sequence %s: %s", sess.id, exc)
 
+    # -- leases and caps ----------------------------------------------------------------
+    def reserve(self, client: str) -> None:
+        """Count a sequence about to open against the caps (429 past them);
+        the count is taken before the open so that concurrent opens cannot overshoot."""
+        lim = self.limits
+        total = sum(self.held.values())
+        if total >= lim.max_sequences:
+            raise TooManySequences("max_sequences", f"the server holds {total} open sequences, its limit "
+                                                    f"(--max-sequences {lim.max_sequences}): try again later")
+        if self.held[client] >= lim.max_sequences_per_client:
+            raise TooManySequences("max_sequences_per_client",
+                                   f"client {client} holds {self.held[client]} open sequences, the limit per "
+                                   f"client (--max-sequences-per-client {lim.max_sequences_per_client}): "
+                                   "close some first")
+        self.held[client] += 1
+
+    def unreserve(self, client: str) -> None:
+        self.held[client] -= 1
+        if self.held[client] <= 0:
+            del self.held[client]
+
+    def register(self, sess: Session) -> None:
+        """Make an opened (and reserved) session reachable; its lease starts now."""
+        sess.renew(self.limits.lease_seconds)
+        self.sessions[sess.id] = sess
+
+    async def sweep_forever(self) -> None:
+        """Reclaim expired sequences until cancelled; a failed sweep is logged, never fatal."""
+        while True:
+            await asyncio.sleep(self.limits.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:   # noqa: BLE001 - the sweeper must outlive any one failure
+                log.exception("lease sweep failed")
+
+    async def sweep(self) -> int:
+        """Release and close the sequences whose lease ran out (their client
+        vanished), so their pages come back. One in use by a request is skipped:
+        the request renews it. Returns how many were closed."""
+        now = time.monotonic()
+        closed = 0
+        for sess in [s for s in self.sessions.values() if s.expires <= now]:
+            if sess.closed or sess.lock.locked() or sess.expires > time.monotonic():
+                continue                    # a request has it (or renewed it meanwhile)
+            async with sess.lock:
+                try:
+                    await self.expire(sess)
+                except Exception:   # noqa: BLE001 - one bad sequence must not stop the others' reclaim
+                    log.exception("closing expired sequence %s", sess.id)
+                closed += 1
+        return closed
+
+    async def expire(self, sess: Session) -> None:
+        log.info("sequence %s of client %s: lease expired, closing it", sess.id, sess.client)
+        self.expired += 1
+        if sess.acquired:
+            try:
+                await self.release(sess)
+            except Exception:   # noqa: BLE001 - closing frees its pages anyway
+                log.exception("releasing expired sequence %s", sess.id)
+        await self._close_session(sess)
+
+    @contextlib.contextmanager
+    def body_budget(self, nbytes: int) -> Iterator[None]:
+        """Admit a request body of ``nbytes`` against the in-flight cap (503 past it)."""
+        cap = self.limits.max_inflight_bytes
+        if self.inflight_bytes + nbytes > cap:
+            raise ServerBusy("max_inflight_bytes", f"request bodies in flight are at the server's cap "
+                                                   f"({cap} bytes, --max-inflight-bytes): try again soon")
+        self.inflight_bytes += nbytes
+        try:
+            yield
+        finally:
+            self.inflight_bytes -= nbytes
+
+    async def offload(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``: on the loop for a small body, on the parser thread for a large one."""
+        if nbytes <= OFFLOAD_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.parser, fn, *args)
+
+    def check_length(self, sess: Session, prompt: Prompt) -> None:
+        """A sequence grows to at most --max-tokens tokens (block keys count a block each)."""
+        tpb, limit = self.cfg.tokens_per_block, self.limits.max_tokens
+        total = len(sess.seq.keys) * tpb + prompt.token_count(tpb)
+        if total > limit:
+            raise PayloadTooLarge("max_tokens", f"the sequence would hold {total} tokens, over the limit of "
+                                                f"{limit} (--max-tokens)")
+
     # -- helpers -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def locked(self, request: web.Request):
         """The request's session, held for this request alone (and still open once the lock is ours)."""
         sess = self.session(request)
         async with sess.lock:
-            yield self.session(request)
+            try:
+                yield self.session(request)
+            finally:
+                sess.renew(self.limits.lease_seconds)     # the lease counts from the request's end
 
     def session(self, request: web.Request) -> Session:
+        """The named open session, its lease renewed."""
         sess = self.sessions.get(request.match_info["id"])
         if sess is None or sess.closed:
             raise UnknownSequence(f"no open sequence {request.match_info['id']!r}")
+        sess.renew(self.limits.lease_seconds)
         return sess
 
     def stream(self):
@@ -498,24 +749,41 @@ def _state(request: web.Request) -> ServerState:
     return request.app[STATE_KEY]
 
 
+def client_id(request: web.Request) -> str:
+    """Who a request counts against for --max-sequences-per-client: its peer IP
+    address (not a header, which any client could vary to dodge the cap)."""
+    return request.remote or "unknown"
+
+
 async def open_sequence(request: web.Request) -> web.Response:
     st = _state(request)
-    body = await read_body(request)
-    tokens, keys = parse_tokens(body)
+    client = client_id(request)
+    st.reserve(client)                  # before the body is read: a client at its cap costs nothing
+    try:
+        sess = await _open_session(st, request, client)
+    except BaseException:
+        st.unreserve(client)
+        raise
+    st.register(sess)
+    return web.json_response(st.describe(sess))
+
+
+async def _open_session(st: ServerState, request: web.Request, client: str) -> Session:
+    """Open and acquire the body's sequence (closed again if the acquire fails)."""
+    body, prompt = await read_prompt(request)
     priority = body.get("priority")
     if priority is not None:
         priority = _int(priority, "priority", 0, 100)
-    seq = await st.store.open_sequence(tokens=tokens, block_keys=keys, priority=priority)
-    sess = Session(str(next(st.ids)), seq)
-    async with sess.lock:
-        try:
-            await st.acquire(sess)
-        except BaseException:
-            with contextlib.suppress(runtime.KvtierError):
-                await seq.close()
-            raise
-        st.sessions[sess.id] = sess
-        return web.json_response(st.describe(sess))
+    # tokens as an int64 array: the store converts it in C and hashes a long prompt off the loop
+    seq = await st.store.open_sequence(tokens=prompt.tokens, block_keys=prompt.keys, priority=priority)
+    sess = Session(secrets.token_urlsafe(16), seq, client, st.limits.lease_seconds)
+    try:
+        await st.acquire(sess)          # nobody else can reach sess (nor its lock) before register
+    except BaseException:
+        with contextlib.suppress(runtime.KvtierError):
+            await seq.close()
+        raise
+    return sess
 
 
 async def get_sequence(request: web.Request) -> web.Response:
@@ -553,10 +821,10 @@ async def commit(request: web.Request) -> web.Response:
 
 async def append(request: web.Request) -> web.Response:
     st = _state(request)
-    body = await read_body(request)
-    tokens, keys = parse_tokens(body)
+    _, prompt = await read_prompt(request)
     async with st.locked(request) as sess:
-        sess.seq.append(tokens=tokens, block_keys=keys)
+        st.check_length(sess, prompt)
+        sess.seq.append(tokens=prompt.tokens, block_keys=prompt.keys)
         if sess.acquired:
             st.fill(sess)
         return web.json_response({"num_keys": len(sess.seq.keys), "num_blocks": sess.seq.num_blocks})
@@ -615,6 +883,7 @@ async def metrics(request: web.Request) -> web.Response:
 ERROR_STATUS: list[tuple[type, int]] = [
     (BadRequest, 400),
     (UnknownSequence, 404),
+    (UnsupportedEncoding, 415),
     (runtime.OutOfPagesError, 503),
     (runtime.StoreClosedError, 410),
     (runtime.CorruptPageError, 500),
@@ -626,12 +895,16 @@ ERROR_STATUS: list[tuple[type, int]] = [
 
 
 def error_response(exc: BaseException) -> web.Response:
-    for cls, status in ERROR_STATUS:
-        if isinstance(exc, cls):
-            break
+    payload = {"error": type(exc).__name__, "message": str(exc)[:2000]}
+    headers = {}
+    if isinstance(exc, LimitExceeded):
+        status = exc.status
+        payload["limit"] = exc.limit
+        if status in (429, 503):
+            headers["Retry-After"] = "1"
     else:
-        status = 500
-    return web.json_response({"error": type(exc).__name__, "message": str(exc)[:2000]}, status=status)
+        status = next((code for cls, code in ERROR_STATUS if isinstance(exc, cls)), 500)
+    return web.json_response(payload, status=status, headers=headers)
 
 
 @web.middleware
@@ -656,10 +929,32 @@ async def errors_middleware(request: web.Request, handler) -> web.StreamResponse
     return resp
 
 
+@web.middleware
+async def body_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Refuse a body before reading it when it is compressed (415: its size is
+    unknown until inflated), over --max-body-bytes (413), or would take the
+    bodies in flight past --max-inflight-bytes (503); the admitted bytes count
+    until the response. A chunked body counts as the largest allowed."""
+    if not request.body_exists:
+        return await handler(request)
+    st = _state(request)
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedEncoding(f"Content-Encoding {encoding[:40]!r} is not accepted: send the JSON uncompressed")
+    limit = st.limits.max_body_bytes
+    nbytes = limit if request.content_length is None else request.content_length
+    if nbytes > limit:
+        raise PayloadTooLarge("max_body_bytes", f"a {nbytes}-byte body is over the limit of {limit} bytes "
+                                                "(--max-body-bytes)")
+    with st.body_budget(nbytes):
+        return await handler(request)
+
+
 # -- the app --------------------------------------------------------------------------------------------
-def make_app(cfg: runtime.StoreConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
-    state = ServerState(cfg)
+def make_app(cfg: runtime.StoreConfig, limits: Limits | None = None) -> web.Application:
+    limits = limits or Limits()
+    app = web.Application(middlewares=[errors_middleware, body_middleware], client_max_size=limits.max_body_bytes)
+    state = ServerState(cfg, limits)
     app[STATE_KEY] = state
 
     async def store_ctx(app: web.Application):
@@ -687,12 +982,12 @@ def make_app(cfg: runtime.StoreConfig) -> web.Application:
     return app
 
 
-async def serve(cfg: runtime.StoreConfig, host: str, port: int) -> int:
+async def serve(cfg: runtime.StoreConfig, host: str, port: int, limits: Limits | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = make_app(cfg)
+    app = make_app(cfg, limits)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
     try:
         await runner.setup()     # opens the store
@@ -720,12 +1015,37 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0 picks a free one)."""
+    n = at_least(0)(text)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is at most 65535, got {n}")
+    return n
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return x
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    return Limits(lease_seconds=args.lease_seconds, max_sequences=args.max_sequences,
+                  max_sequences_per_client=args.max_sequences_per_client, max_tokens=args.max_tokens,
+                  max_body_bytes=args.max_body_bytes, max_inflight_bytes=args.max_inflight_bytes)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a kvtier TOML config (default: the embedded small model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=at_least(0), default=8080, help="0 picks a free port")
+    p.add_argument("--port", type=port_number, default=8080, help="0..65535; 0 picks a free port")
     p.add_argument("--disk-dir", help="disk tier directory (kept across restarts; default: a temp dir, removed)")
     p.add_argument("--gpu-slots", type=at_least(1), help="GPU slots per pool group (default 64)")
     p.add_argument("--host-slots", type=at_least(1), help="host slots per pool group (default 128)")
@@ -736,8 +1056,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the disk tier's durability barriers (throwaway experiments)")
     p.add_argument("--on-mismatch", choices=("error", "wipe"),
                    help="when --disk-dir holds another layout: refuse (error) or wipe it")
+    d = Limits()
+    p.add_argument("--lease-seconds", type=positive_seconds, default=d.lease_seconds,
+                   help="a sequence no request names for this long is released and closed "
+                        f"(default {d.lease_seconds:g})")
+    p.add_argument("--max-sequences", type=at_least(1), default=d.max_sequences,
+                   help=f"open sequences on the server (default {d.max_sequences})")
+    p.add_argument("--max-sequences-per-client", type=at_least(1), default=d.max_sequences_per_client,
+                   help="open sequences per client, i.e. peer IP address "
+                        f"(default {d.max_sequences_per_client})")
+    p.add_argument("--max-tokens", type=at_least(1), default=d.max_tokens,
+                   help=f"tokens per request and per sequence (default {d.max_tokens})")
+    p.add_argument("--max-body-bytes", type=at_least(1024), default=d.max_body_bytes,
+                   help=f"bytes of one request body (default {d.max_body_bytes})")
+    p.add_argument("--max-inflight-bytes", type=at_least(1024), default=d.max_inflight_bytes,
+                   help=f"bytes of the bodies of all requests in flight (default {d.max_inflight_bytes})")
     p.add_argument("--log-level", default="WARNING")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_inflight_bytes < args.max_body_bytes:
+        p.error("--max-inflight-bytes must be at least --max-body-bytes")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -765,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier serve: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
-        return runtime.run(serve(cfg, args.host, args.port))
+        return runtime.run(serve(cfg, args.host, args.port, limits_from(args)))
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -5,11 +5,18 @@ disk directory serves the earlier prefixes from disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gzip
+import inspect
+import json
 import random
 import signal
+import string
 import sys
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -388,10 +395,18 @@ async def test_errors_config_file_and_sigint(tmp_path, servers):
 
 
 def _load_serve():
+    """scripts/serve.py as a module (registered first: its dataclasses look their module up)."""
     import importlib.util
+    if "kvtier_serve" in sys.modules:
+        return sys.modules["kvtier_serve"]
     spec = importlib.util.spec_from_file_location("kvtier_serve", SERVE)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
     return mod
 
 
@@ -430,3 +445,345 @@ async def test_verify_detects_corruption(tmp_path):
         await seq.close()
     finally:
         await state.close_store()
+
+
+# -- hardening: leases, caps, request cost, ids, ports -------------------------------------------------
+POLL = 0.02                  # seconds between polls of a condition the server reaches by itself
+POLL_TIMEOUT = 5.0
+
+
+async def until(predicate, what: str):
+    """Poll ``predicate()`` (awaited if a coroutine) until it is truthy (bounded); return its value."""
+    deadline = asyncio.get_running_loop().time() + POLL_TIMEOUT
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(POLL)
+
+
+@contextlib.asynccontextmanager
+async def in_process(tmp_path: Path, gpu_slots: int = 32, **limits):
+    """serve.py's app on 127.0.0.1 (a free port) in this process, so a test
+    can read its state; yields ``(client, state)``."""
+    serve = _load_serve()
+    disk = tmp_path / "disk"
+    disk.mkdir(exist_ok=True)
+    cfg = serve.default_config(str(disk), gpu_slots, 64, 256, fsync=False)
+    app = serve.make_app(cfg, serve.Limits(**limits))
+    runner = aiohttp.web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = "http://127.0.0.1:%d" % runner.addresses[0][1]
+        async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+            yield Client(http, url), app[serve.STATE_KEY]
+    finally:
+        await runner.cleanup()
+
+
+def gpu_group(st: dict) -> dict:
+    return st["tiers"]["gpu"]["groups"][0]
+
+
+async def test_vanished_clients_sequences_are_reclaimed(tmp_path, servers):
+    """Clients that open sequences, lock the whole GPU pool and vanish: once
+    their leases run out the sweeper releases and closes them, later clients
+    get pages again, and what they committed is still matched."""
+    server = await Server.start(tmp_path, "--gpu-slots", "16", "--lease-seconds", "0.5", name="leases")
+    servers.append(server)
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+        client = Client(http, server.url)
+        committed = prefix_tokens(0)                          # 2 blocks, committed before the client vanishes
+        first = await client.ok("POST", "/sequences", {"tokens": committed})
+        await client.ok("POST", f"/sequences/{first['id']}/extend", {"num_blocks": 2})
+        await client.ok("POST", f"/sequences/{first['id']}/commit", {"num_blocks": 2})
+        for p in range(1, 4):                                 # 3 more: 4 x 2 blocks x 2 pages = 16 slots
+            opened = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(p)})
+            await client.ok("POST", f"/sequences/{opened['id']}/extend", {"num_blocks": 2})
+        assert gpu_group(await client.ok("GET", "/stats"))["locked"] == 16
+        late = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(9)})
+        status, payload = await client.call("POST", f"/sequences/{late['id']}/extend", {"num_blocks": 2})
+        assert (status, payload["error"]) == (503, "OutOfPagesError"), payload
+        # the late client keeps its sequence alive by using it; the four others are gone
+        async def reclaimed():
+            await client.ok("GET", f"/sequences/{late['id']}")
+            return (await client.ok("GET", "/healthz"))["open_sequences"] == 1
+        await until(reclaimed, "the abandoned sequences to be reclaimed")
+        status, payload = await client.call("GET", f"/sequences/{first['id']}")
+        assert (status, payload["error"]) == (404, "UnknownSequence")
+        ext = await client.ok("POST", f"/sequences/{late['id']}/extend", {"num_blocks": 2})
+        assert ext["num_blocks"] == 2
+        assert gpu_group(await client.ok("GET", "/stats"))["locked"] == 4
+        await client.ok("DELETE", f"/sequences/{late['id']}")
+        again = await client.ok("POST", "/sequences", {"tokens": committed})
+        assert again["matched_blocks"] == 2                   # nothing committed was lost
+        await client.ok("DELETE", f"/sequences/{again['id']}")
+        async with http.get(server.url + "/metrics") as resp:
+            samples = metric_samples(await resp.text())
+        assert samples[("kvtier_expired_sequences_total", ())] == 4
+    assert await server.stop(signal.SIGTERM) == 0, server.stderr()
+    assert "Traceback" not in server.stderr(), server.stderr()
+
+
+async def test_lease_is_renewed_by_use(tmp_path):
+    """A sequence that requests keep naming outlives its first lease; the
+    sequence opened after it, and left alone, is reclaimed first."""
+    async with in_process(tmp_path, lease_seconds=0.5) as (client, state):
+        kept = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(0)})
+        left = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(1)})
+        await client.ok("POST", f"/sequences/{left['id']}/release", {})
+
+        async def left_is_gone():
+            await client.ok("GET", f"/sequences/{kept['id']}")          # renews kept's lease
+            return left["id"] not in state.sessions
+        await until(left_is_gone, "the unused sequence to expire")
+        assert kept["id"] in state.sessions                  # its first lease ended before left's
+        await client.ok("POST", f"/sequences/{kept['id']}/extend", {"num_blocks": 1})
+        await until(lambda: not state.sessions, "the kept sequence to expire once unused")
+        assert state.expired == 2 and not state.held
+        assert gpu_group(state.store.stats())["locked"] == 0
+
+
+async def test_sweeper_survives_failures(tmp_path, caplog):
+    """A failing release, or a failing sweep, is logged; the sequence is still
+    closed and the sweeper goes on reclaiming the others."""
+    serve = _load_serve()
+    state = serve.ServerState(serve.default_config(str(tmp_path), 32, 32, 64), serve.Limits(lease_seconds=0.05))
+    await state.open_store()
+    try:
+        async def open_session(p: int):
+            seq = await state.store.open_sequence(tokens=prefix_tokens(p))
+            sess = serve.Session(f"s{p}", seq, "client")
+            state.reserve("client")
+            await state.acquire(sess)
+            state.register(sess)
+            return sess
+
+        real_release, real_sweep = state.release, state.sweep
+        sweeps = 0
+
+        async def failing_release(sess):
+            if sess.id == "s0":
+                raise RuntimeError("release failed")
+            await real_release(sess)
+
+        async def sweep_failing_once():
+            nonlocal sweeps
+            sweeps += 1
+            if sweeps == 1:
+                raise RuntimeError("sweep failed")
+            return await real_sweep()
+
+        state.release, state.sweep = failing_release, sweep_failing_once
+        bad, good = await open_session(0), await open_session(1)
+        await until(lambda: not state.sessions, "both sequences to expire")
+        assert bad.seq.closed and good.seq.closed and not state.held
+        assert not state.sweeper.done()
+        later = await open_session(2)
+        await until(lambda: later.seq.closed, "a later sequence to expire")
+        assert gpu_group(state.store.stats())["locked"] == 0
+        logged = caplog.text
+        assert "sweep failed" in logged and "release failed" in logged
+    finally:
+        await state.close_store()
+
+
+async def test_open_sequence_caps(tmp_path):
+    """Past the per-client or the server's cap an open is refused with 429
+    naming the limit; a refused or failed open holds nothing; a closed
+    sequence frees its place. A client is its peer address."""
+    async with in_process(tmp_path, max_sequences=3, max_sequences_per_client=2) as (a, state):
+        ids = [(await a.ok("POST", "/sequences", {"tokens": prefix_tokens(p)}))["id"] for p in range(2)]
+        status, payload = await a.call("POST", "/sequences", {"tokens": prefix_tokens(2)})
+        assert status == 429 and payload["error"] == "TooManySequences", payload
+        assert payload["limit"] == "max_sequences_per_client" and "--max-sequences-per-client" in payload["message"]
+        status, payload = await a.call("POST", "/sequences", {"tokens": [1, "x"]})
+        assert status == 429                                 # the cap is checked before the body is read
+        connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+        async with aiohttp.ClientSession(connector=connector, timeout=HTTP_TIMEOUT) as http:
+            b = Client(http, a.url)
+            status, payload = await b.call("POST", "/sequences", {"tokens": [1, "x"]})
+            assert status == 400                             # a bad open holds no place
+            other = await b.ok("POST", "/sequences", {"tokens": prefix_tokens(3)})
+            status, payload = await b.call("POST", "/sequences", {"tokens": prefix_tokens(4)})
+            assert status == 429 and payload["limit"] == "max_sequences", payload
+            assert "--max-sequences" in payload["message"]
+            assert dict(state.held) == {"127.0.0.1": 2, "127.0.0.2": 1}
+            await b.ok("DELETE", f"/sequences/{other['id']}")
+        await a.ok("DELETE", f"/sequences/{ids[0]}")
+        await a.ok("POST", "/sequences", {"tokens": prefix_tokens(5)})
+        assert dict(state.held) == {"127.0.0.1": 2}
+
+
+async def test_sequence_ids_are_unguessable(tmp_path):
+    """Ids are random: nobody closes another client's sequence by counting."""
+    async with in_process(tmp_path) as (client, state):
+        ids = [(await client.ok("POST", "/sequences", {"block_keys": [p]}))["id"] for p in range(3)]
+        assert len(set(ids)) == 3
+        for sid in ids:
+            assert len(sid) >= 20 and not sid.isdigit()
+            assert set(sid) <= set(string.ascii_letters + string.digits + "-_")
+        for guess in ("0", "1", "2", "3", ids[0][:-1]):
+            status, payload = await client.call("DELETE", f"/sequences/{guess}")
+            assert (status, payload["error"]) == (404, "UnknownSequence")
+        assert sorted(state.sessions) == sorted(ids)
+
+
+async def test_request_size_limits(tmp_path):
+    """Tokens, block keys, body bytes and compressed bodies past the limits
+    get a typed 413/415 naming the limit, and change nothing."""
+    limits = {"max_tokens": 256, "max_body_bytes": 8192, "max_inflight_bytes": 65536}
+    async with in_process(tmp_path, **limits) as (client, state):
+        async def refused(status, limit, path="/sequences", body=None, data=None, headers=None):
+            kwargs = {"json": body} if data is None else {"data": data}
+            async with client.http.post(client.url + path, headers=headers, **kwargs) as resp:
+                payload = await resp.json(content_type=None)
+            assert (resp.status, payload.get("limit")) == (status, limit), payload
+            assert isinstance(payload["message"], str) and payload["message"]
+            return payload
+
+        p = await refused(413, "max_tokens", body={"tokens": [7] * 257})
+        assert p["error"] == "PayloadTooLarge" and "--max-tokens" in p["message"]
+        await refused(413, "max_tokens", body={"block_keys": list(range(17))})     # 256 // 16 keys at most
+        await refused(413, "max_tokens", data=b'{"tokens": [1], "x": [' + b"0," * 400 + b"0]}")  # before parsing
+        p = await refused(413, "max_body_bytes", body={"tokens": [1], "pad": "x" * 9000})
+        assert "--max-body-bytes" in p["message"]
+
+        async def chunks():
+            yield b'{"tokens": [1], "pad": "'
+            yield b"x" * 9000
+            yield b'"}'
+        await refused(413, "max_body_bytes", data=chunks())                       # chunked: no Content-Length
+        small = json.dumps({"tokens": [1] * 16}).encode()
+        p = await refused(415, None, data=gzip.compress(small),
+                          headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        assert p["error"] == "UnsupportedEncoding"
+        assert not state.sessions and state.inflight_bytes == 0
+        opened = await client.ok("POST", "/sequences", {"tokens": [1] * 256})       # at the limit: fine
+        sid = opened["id"]
+        async with client.http.post(client.url + "/sequences", data=small,
+                                    headers={"Content-Encoding": "identity"}) as resp:
+            assert resp.status == 200
+        # a sequence grows to --max-tokens at most, and a refused append leaves it as it was
+        p = await refused(413, "max_tokens", path=f"/sequences/{sid}/append", body={"tokens": [2] * 16})
+        assert "would hold 272 tokens" in p["message"]
+        assert (await client.ok("GET", f"/sequences/{sid}"))["num_keys"] == 16
+
+
+async def test_large_bodies_decode_off_the_loop(tmp_path, monkeypatch):
+    """A body over 64 KiB is decoded and checked on the parser thread, and
+    its tokens reach the store as an int64 array (converted in C, hashed
+    off the loop when long); a small body stays on the loop."""
+    serve = _load_serve()
+    threads: list[str] = []
+    real = serve.decode_prompt
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+    monkeypatch.setattr(serve, "decode_prompt", spy)
+    async with in_process(tmp_path) as (client, state):
+        seen = []
+        real_open = state.store.open_sequence
+
+        async def open_spy(**kwargs):
+            seen.append(kwargs["tokens"])
+            return await real_open(**kwargs)
+        monkeypatch.setattr(state.store, "open_sequence", open_spy)
+        big = list(range(2**62, 2**62 + 8192))                   # 8192 19-digit tokens: a 160 KiB body
+        opened = await client.ok("POST", "/sequences", {"tokens": big})
+        assert opened["num_keys"] == 8192 // TPB
+        await client.ok("POST", "/sequences", {"tokens": [1] * 32})
+        status, payload = await client.call("POST", "/sequences", {"tokens": big[:-1] + [2**64]})
+        assert (status, payload["error"]) == (400, "BadRequest") and str(2**64) in payload["message"]
+        status, payload = await client.call("POST", "/sequences", {"tokens": big[:-1] + [True]})
+        assert (status, payload["error"]) == (400, "BadRequest") and "True" in payload["message"]
+    main = threading.main_thread().name
+    assert threads[0].startswith("kvtier-serve-parse") and threads[1] == main
+    assert all(t.startswith("kvtier-serve-parse") for t in threads[2:]) and len(threads) == 4
+    assert [type(t) for t in seen] == [np.ndarray, np.ndarray]
+    assert seen[0].dtype == np.int64 and seen[0].tolist() == big
+
+
+async def test_big_bodies_do_not_stall_the_server(tmp_path, servers):
+    """Eight 3.8 MiB bodies of 2 M tokens at once (they held the loop for
+    seconds: /healthz took 2.3 s): refused before parsing, while /healthz
+    stays prompt. The bound is loose (about 30 ms here) to stay deterministic."""
+    server = await Server.start(tmp_path, name="big-bodies")
+    servers.append(server)
+    body = b'{"tokens": [' + b"1," * 2_000_000 + b"1]}"                 # 3.8 MiB: under --max-body-bytes
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+        async def post() -> tuple[int, str | None]:
+            async with http.post(server.url + "/sequences", data=body) as resp:
+                return resp.status, (await resp.json(content_type=None)).get("limit")
+
+        posts = [asyncio.create_task(post()) for _ in range(8)]
+        worst = 0.0
+        loop = asyncio.get_running_loop()
+        while not all(t.done() for t in posts):
+            start = loop.time()
+            async with http.get(server.url + "/healthz") as resp:
+                assert resp.status == 200
+            worst = max(worst, loop.time() - start)
+            await asyncio.sleep(POLL)
+        assert [t.result() for t in posts] == [(413, "max_tokens")] * 8
+        assert worst < 1.0, worst
+    assert await server.stop(signal.SIGTERM) == 0, server.stderr()
+
+
+async def test_inflight_body_bytes_are_capped(tmp_path):
+    """Bodies admitted but not yet answered count against --max-inflight-bytes:
+    past it a request gets 503 naming the limit; the bytes free up once the
+    admitted request is answered."""
+    limits = {"max_body_bytes": 65536, "max_inflight_bytes": 98304}
+    async with in_process(tmp_path, **limits) as (client, state):
+        port = int(client.url.rsplit(":", 1)[1])
+        body = json.dumps({"tokens": [1] * 32}).encode()
+        body += b" " * (65536 - len(body))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /sequences HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 65536\r\n\r\n" + body[:100])
+            await writer.drain()
+            await until(lambda: state.inflight_bytes == 65536, "the slow body to be admitted")
+            status, payload = await client.call("POST", "/sequences", {"tokens": [2] * 32, "pad": " " * 40_000})
+            assert (status, payload["error"], payload["limit"]) == (503, "ServerBusy", "max_inflight_bytes")
+            small = await client.ok("POST", "/sequences", {"tokens": [3] * 32})       # still fits
+            writer.write(body[100:])
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200"), head
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        assert state.inflight_bytes == 0
+        await client.ok("POST", "/sequences", {"tokens": [2] * 32, "pad": " " * 40_000})
+        await client.ok("DELETE", f"/sequences/{small['id']}")
+
+
+def test_cli_limits_and_port_range(capsys):
+    """--port outside 0..65535 is an argparse error (0 still picks a free
+    port); the limit flags reach Limits and are checked."""
+    serve = _load_serve()
+    for bad in ("99999", "65536", "-1"):
+        with pytest.raises(SystemExit) as exc:
+            serve.parse_args(["--port", bad])
+        assert exc.value.code == 2
+        assert "--port" in capsys.readouterr().err
+    assert serve.parse_args(["--port", "65535"]).port == 65535
+    assert serve.parse_args(["--port", "0"]).port == 0
+    assert serve.limits_from(serve.parse_args([])) == serve.Limits()
+    args = serve.parse_args(["--lease-seconds", "0.25", "--max-sequences", "9", "--max-sequences-per-client", "3",
+                             "--max-tokens", "100", "--max-body-bytes", "2048", "--max-inflight-bytes", "4096"])
+    assert serve.limits_from(args) == serve.Limits(0.25, 9, 3, 100, 2048, 4096)
+    for flags in (["--lease-seconds", "0"], ["--lease-seconds", "nan"], ["--max-tokens", "0"],
+                  ["--max-body-bytes", "8192", "--max-inflight-bytes", "4096"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(flags)
+        capsys.readouterr()
