@@ -59,9 +59,8 @@ async def index_recovered(store: "Store") -> None:
     t0 = time.perf_counter()
 
     def rebuild():
-        groups, records = disk.recovered_records()
-        core.recover_add(records.view(np.uint8), groups)
-        del records
+        for groups, records in disk.recovered_records():
+            core.recover_add(records.view(np.uint8), groups)
         return core.recover()
     forget = await asyncio.get_running_loop().run_in_executor(None, rebuild)
     for g, slots in enumerate(forget):

@@ -34,6 +34,7 @@ from tiers.streams import CudaEvent
 from .core import Core, CoreError, Pages
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
+from .loop import short_switch_interval
 from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, TIER_NAMES
 from .readiness import wait_events
@@ -127,9 +128,10 @@ class Store:
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._build)
-        if self.disk is not None:
-            await index_recovered(self)         # the core is rebuilt off the loop: nothing may use it meanwhile
+        with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
+            await loop.run_in_executor(None, self._build)
+            if self.disk is not None:
+                await index_recovered(self)     # the core is rebuilt off the loop: nothing may use it meanwhile
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:

@@ -113,7 +113,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
 import numpy as np
@@ -339,7 +339,10 @@ class _Group:
         for name in ("meta", "live", "pending", "forgotten"):
             old = getattr(self, name)
             arr = np.zeros(new, dtype=old.dtype)
-            arr[:cap] = old
+            if name == "meta":
+                journal.put(arr, slice(0, cap), old)     # whole rows: a structured copy goes field by field
+            else:
+                arr[:cap] = old
             setattr(self, name, arr)
 
     def live_bytes(self) -> int:
@@ -385,6 +388,38 @@ class _Group:
         return [(a, min(b, a + cap)) for lo, b in zip(bounds, bounds[1:]) for a in range(lo, b, cap)]
 
 
+class _Reader:
+    """Reads a journal by absolute offset through a window of ``chunk`` bytes. ``os.pread``
+    releases the GIL while the disk works (an mmap's page faults would hold it: a cold journal
+    stalled the event loop for 200 ms at a time) and memory stays bounded by the window."""
+
+    def __init__(self, fd: int, size: int, chunk: int = 4 << 20) -> None:
+        self.fd, self.size, self.chunk = fd, size, chunk
+        self.base, self.buf = 0, b""
+
+    def read(self, off: int, n: int) -> bytes:
+        """Bytes [off, off + n) (fewer at the end of the file)."""
+        n = max(0, min(n, self.size - off))
+        if not (self.base <= off and off + n <= self.base + len(self.buf)):
+            if n > self.chunk:
+                return os.pread(self.fd, n, off)
+            self.base, self.buf = off, os.pread(self.fd, min(self.chunk, self.size - off), off)
+        return self.buf[off - self.base:off - self.base + n]
+
+    def find(self, needle: bytes, start: int) -> int:
+        """Offset of the first ``needle`` at or after ``start``, or -1."""
+        pos = start
+        while pos < self.size:
+            window = self.read(pos, self.chunk)
+            i = window.find(needle)
+            if i >= 0:
+                return pos + i
+            if pos + len(window) >= self.size:
+                return -1
+            pos += len(window) - len(needle) + 1
+        return -1
+
+
 class _Replay:
     """One group's journal replayed into its arrays (see the module docstring).
 
@@ -413,11 +448,11 @@ class _Replay:
         self.tier.journal_errors.append((self.g.index, off, msg))
         self.dirty = True
 
-    def frame_at(self, mm: mmap.mmap, off: int, size: int) -> tuple[bytes, bytes] | str:
+    def frame_at(self, src: _Reader, off: int, size: int) -> tuple[bytes, bytes] | str:
         """(magic, payload) of the frame at ``off``, or why there is none."""
         if size - off < FRAME.size:
             return "torn frame header"
-        magic, ln, crc = FRAME.unpack_from(mm, off)
+        magic, ln, crc = FRAME.unpack(src.read(off, FRAME.size))
         if magic not in (journal.HEADER_MAGIC, journal.RECORDS_MAGIC):
             return "bad frame magic"
         if ln > size - off - FRAME.size:
@@ -425,33 +460,33 @@ class _Replay:
         if magic == journal.RECORDS_MAGIC and ln % RECORD.itemsize:
             return f"frame length {ln} is not whole records"
         self.crc_budget -= ln
-        payload = mm[off + FRAME.size:off + FRAME.size + ln]
+        payload = src.read(off + FRAME.size, ln)
         if zlib.crc32(payload) != crc:
             return "frame checksum mismatch"
         return magic, payload
 
-    def resync(self, mm: mmap.mmap, start: int, size: int) -> int | None:
+    def resync(self, src: _Reader, start: int, size: int) -> int | None:
         """Offset of the next intact records frame after ``start`` (None: none, or the
         search spent its budget: a hostile file cannot make it quadratic)."""
         pos = start
         while self.crc_budget > 0:
-            pos = mm.find(journal.RECORDS_MAGIC, pos, size)
+            pos = src.find(journal.RECORDS_MAGIC, pos)
             if pos < 0:
                 return None
-            if not isinstance(self.frame_at(mm, pos, size), str):
+            if not isinstance(self.frame_at(src, pos, size), str):
                 return pos
             pos += 1
         return None
 
-    def run(self, mm: mmap.mmap, size: int) -> int:
+    def run(self, src: _Reader, size: int) -> int:
         """Replay every frame; returns the offset the journal is good up to (the rest is a torn tail)."""
         g = self.g
         self.crc_budget = 2 * size + (1 << 20)
         off = 0
         while off < size:
-            got = self.frame_at(mm, off, size)
+            got = self.frame_at(src, off, size)
             if isinstance(got, str):
-                nxt = self.resync(mm, off + 1, size)
+                nxt = self.resync(src, off + 1, size)
                 if nxt is None:
                     self.error(off, f"{got}; the last {size - off} bytes dropped")
                     self.apply()
@@ -808,14 +843,10 @@ class DiskTier:
         g.journal_fd = os.open(g.journal_path, os.O_RDWR | os.O_CREAT, 0o644)
         size = os.fstat(g.journal_fd).st_size
         replay = _Replay(self, g)
-        if size:
-            with open(g.journal_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                try:
-                    good = replay.run(mm, size)
-                finally:
-                    replay.release()
-        else:
-            good = 0
+        try:
+            good = replay.run(_Reader(g.journal_fd, size), size) if size else 0
+        finally:
+            replay.release()
         dirty = size == 0 or replay.dirty
         if good < size:
             os.ftruncate(g.journal_fd, good)
@@ -1509,27 +1540,39 @@ class DiskTier:
         with g.lock:
             return np.flatnonzero(g.live).tolist()
 
-    def recovered_records(self) -> tuple[np.ndarray, np.ndarray]:
-        """(group per record, ``RECORD`` array) of every live page, in write order: what the
-        store rebuilds its index from after open."""
-        groups, recs = [], []
+    def recovered_records(self, chunk: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(group per record, ``RECORD`` array) chunks of every live page, in write order: what
+        the store rebuilds its index from after open. Chunks keep each temporary a few MiB:
+        freeing a large array holds the GIL for milliseconds."""
+        slots, groups, gens = [], [], []
         for g in self.groups:
             with g.lock:
-                live = journal.take(g.meta, np.flatnonzero(g.live))
-            recs.append(live)
-            groups.append(np.full(len(live), g.index, dtype=np.int32))
-        if not recs:
-            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=RECORD)
-        recs_all, groups_all = journal.concat(recs), np.concatenate(groups)
-        order = np.argsort(recs_all["gen"], kind="stable")
-        return groups_all[order], journal.take(recs_all, order)
+                idx = np.flatnonzero(g.live)
+                slots.append(idx)
+                groups.append(np.full(len(idx), g.index, dtype=np.int32))
+                gens.append(g.meta["gen"][idx])
+        if not self.groups:
+            return
+        slot, group = np.concatenate(slots), np.concatenate(groups)
+        order = np.argsort(np.concatenate(gens), kind="stable")
+        del slots, groups, gens
+        for a in range(0, len(order), chunk):
+            part = order[a:a + chunk]
+            gs, ss = group[part], slot[part]
+            out = np.empty(len(part), dtype=RECORD)
+            for g in self.groups:
+                mine = gs == g.index
+                if mine.any():
+                    with g.lock:
+                        journal.put(out, mine, journal.take(g.meta, ss[mine]))
+            yield gs, out
 
     @property
     def recovered(self) -> list[RecoveredPage]:
         """The live pages as Python records, in write order (tests and tools; the store uses
         ``recovered_records``)."""
-        groups, recs = self.recovered_records()
-        return [RecoveredPage(int(g), int(r["slot"]), journal.decode(r), int(r["gen"])) for g, r in zip(groups, recs)]
+        return [RecoveredPage(int(g), int(r["slot"]), journal.decode(r), int(r["gen"]))
+                for groups, recs in self.recovered_records() for g, r in zip(groups, recs)]
 
     def stride(self, group: int) -> int:
         return self._group(group).stride

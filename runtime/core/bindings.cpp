@@ -197,7 +197,9 @@ NB_MODULE(_core, m) {
              }
              new (c) Core(tpb, std::move(v), std::move(group_of), std::move(capacity));
            },
-           "tokens_per_block"_a, "life_cycles"_a, "group_of"_a, "capacity"_a)
+           // the per-slot tables of a large disk tier take milliseconds to build: not with the GIL held
+           nb::call_guard<nb::gil_scoped_release>(), "tokens_per_block"_a, "life_cycles"_a, "group_of"_a,
+           "capacity"_a)
       // -- sequences
       .def("open", [](Core& c, nb::handle keys, int priority) {
              auto r = c.open_seq(to_keys(keys), priority);
@@ -386,9 +388,8 @@ NB_MODULE(_core, m) {
              {
                nb::gil_scoped_release nogil;
                forget = c.recover(c.pending_records());
+               std::vector<kvtier::RecoveredRecord>().swap(c.pending_records());   // a large free: no GIL
              }
-             c.pending_records().clear();
-             c.pending_records().shrink_to_fit();
              return forget;
            })
       // -- drains
