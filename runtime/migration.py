@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from tiers._native import copy_rows as _copy_rows
+from tiers.native import copy_rows as _copy_rows
 from tiers.codecs import Codec, get_codec
 from tiers.device import Device, aligned_empty
 from tiers.layers import LifeCycle

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the native core with AddressSanitizer and UndefinedBehaviorSanitizer
+# Builds the native core and the data plane's kernels with AddressSanitizer and UndefinedBehaviorSanitizer
 # (a debug build: asserts on) and runs the test suite, or the command given,
 # against it. Needs the .venv from scripts/setup.sh.
 #   scripts/sanitize.sh                      # the whole suite
@@ -12,8 +12,8 @@ B=build/sanitize
 cmake -S . -B "$B" -G Ninja -DKVTIER_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug \
   -DPython_EXECUTABLE="$PY" -Dnanobind_DIR="$("$PY" -m nanobind --cmake_dir)" >/dev/null
 cmake --build "$B" >/dev/null
-lib=$(ls "$B"/_core*.so)
-export KVTIER_CORE_LIB="$PWD/$lib"
+export KVTIER_CORE_LIB="$PWD/$(ls "$B"/_core*.so)"
+export KVTIER_NATIVE_LIB="$PWD/$(ls "$B"/_native*.so)"
 export LD_PRELOAD="$(g++ -print-file-name=libasan.so):$(g++ -print-file-name=libubsan.so)"
 # CPython and torch keep memory until exit by design: leak reports would be noise
 # a test asks for more memory than exists and expects a clean error, not an abort

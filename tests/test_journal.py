@@ -14,7 +14,7 @@ import xxhash
 
 from runtime import DiskConfig, GpuConfig, LayerSpec, Store, StoreConfig
 from tiers import journal
-from tiers._native import xxh64, xxh64_rows
+from tiers.native import xxh64, xxh64_rows
 from tiers.disk import DiskTier
 from tiers.errors import ConfigError, CorruptPageError, UsageError
 from tiers.journal import RECORD, PageRecord

@@ -120,7 +120,7 @@ import numpy as np
 import torch
 
 from . import journal
-from ._native import xxh64_rows
+from .native import xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 

@@ -1,0 +1,23 @@
+"""The data plane's native kernels (``tiers._native``, built from this
+folder's C++ by the package's own build): batched page checksums and row
+copies, each one call per batch with the GIL released.
+
+``KVTIER_NATIVE_LIB`` names another build of the extension to load instead
+(scripts/sanitize.sh points it at an AddressSanitizer build).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("tiers._native", os.environ["KVTIER_NATIVE_LIB"])
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = _mod
+    _spec.loader.exec_module(_mod)
+
+from tiers._native import copy_rows, xxh64, xxh64_rows  # noqa: E402
+
+__all__ = ["copy_rows", "xxh64", "xxh64_rows"]
