@@ -16,6 +16,7 @@ stream's events in the order they were recorded.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from typing import Callable, Optional
@@ -35,6 +36,25 @@ def _invoke(cb: Callback, error: BaseException | None) -> None:
     except Exception:   # noqa: BLE001
         _log.exception("kvtier: event done-callback %r raised", cb)
 
+
+
+WORKER_NICE = 5     # how much less CPU priority worker threads take than the event loop's thread
+
+
+def _lower_priority() -> None:
+    """Run this (worker) thread at a lower CPU priority than the event loop.
+    Copies, checksums and I/O calls on workers run without the GIL, so on a
+    machine with few cores they compete with the loop for the CPU itself:
+    at equal priority the scheduler hands the loop's core to a worker for a
+    whole time slice (several ms of loop lag). A nicer worker still gets
+    every idle cycle. Linux sets niceness per thread; elsewhere a no-op."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE)
+    except OSError:
+        pass
 
 class Event:
     __slots__ = ()
@@ -144,6 +164,7 @@ class HostStream:
         self._thread.start()
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             item = self._queue.get()
             if item is None:
