@@ -176,6 +176,9 @@ class Store:
         A close whose caller is cancelled goes on to the end in the
         background (a later close waits for it): stopping half-way would
         leave moves, persisting and the disk tier in between."""
+        if self._closing is not None:            # a close under way (or done): wait for its end
+            await asyncio.shield(self._closing)
+            return
         if self.closed:
             return
         if self._closing is None:
@@ -619,6 +622,9 @@ class Store:
                     if nxt != DISK or not self.core.droppable(victims):
                         raise
                     self._disk_full(exc, len(victims))
+                    # the failed move ended their claims: claim them again, so that the drop below
+                    # frees each slot once (a subtree drop must not free a victim's slot under it)
+                    self._claim(victims, DISK)
                 break
         claims, freed = self.core.drop_victims(tier, victims)
         self.claims.settle(claims)

@@ -47,3 +47,27 @@ async def test_spills_past_a_full_disk_drop_instead_of_failing(tmp_path, caplog)
             store.check_consistency()
     assert "disk tier is full" in caplog.text
     assert sum("disk tier is full" in r.getMessage() for r in caplog.records) == 1     # said once, not per spill
+
+
+async def test_a_full_disk_with_two_life_cycles_in_one_group(tmp_path):
+    """Review find: the refused spill ended the victims' claims, then the drop of one life cycle's
+    page (prefix-critical: a subtree drop) freed its sibling's slot, which was handed out again: a
+    slot owned and free, and a crash in the core."""
+    import errno
+    from helpers import config, two_life_cycles
+    cfg = config(gpu=8, host=8, disk=256, disk_dir=tmp_path, layers=two_life_cycles(), persist_on_close=False)
+    async with Store.open(cfg) as store:
+        store.disk.inject_fault("write", errno.ENOSPC, count=10**6)
+        for base in range(30):
+            await fill(store, toks(base, 3))
+            store.check_consistency()
+        assert store.stats()["disk_full"]["refused_spills"] > 0
+        for base in range(30):
+            seq = await store.open_sequence(tokens=toks(base, 3))
+            await seq.acquire()
+            for b in range(seq.matched_blocks):
+                for lc in range(2):
+                    assert torch.equal(read_block(store, seq, lc, b), expected_block(store, seq, lc, b))
+            await seq.release()
+            await seq.close()
+        store.check_consistency()
