@@ -215,14 +215,6 @@ def _row_block(arr: np.ndarray, rows: np.ndarray, g: _Group) -> memoryview | Non
     return memoryview(arr[first:first + k]).cast("B")
 
 
-def _with_gen(recs: np.ndarray) -> np.ndarray:
-    """A caller's records with a nonzero generation, so ``journal.malformed`` checks only their content."""
-    out = recs.copy()
-    out["gen"] = 1
-    out["kind"] = WRITE
-    return out
-
-
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
     """Run ``op`` (os.pwritev or os.preadv) until every buffer is done, at most
     IOV_MAX vectors a call; returns the bytes moved. ``short_ok``: stop at the
@@ -961,11 +953,9 @@ class DiskTier:
                     raise UsageError(f"slot {s!r} of disk group {g.index} is not an int")
             try:
                 arr = np.asarray(slots, dtype=np.int64).reshape(-1)
-            except OverflowError:
-                arr = None
-            if arr is None or (len(arr) and (arr.min() < 0 or arr.max() >= g.slots)):
+            except OverflowError:           # beyond int64: outside the group whatever it is
                 bad = next(s for s in slots if not 0 <= s < g.slots)
-                raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots")
+                raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots") from None
         if len(arr) and (arr.min() < 0 or arr.max() >= g.slots):
             bad = int(arr[(arr < 0) | (arr >= g.slots)][0])
             raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots")
@@ -1239,7 +1229,7 @@ class DiskTier:
         sl = self._check_slots(g, slots)
         n = len(sl)
         recs = journal.as_records(records, n)
-        if n and journal.malformed(_with_gen(recs)).any():
+        if n and journal.malformed(recs, stored=False).any():
             raise UsageError("records with an unknown key form or a priority above 100")
         arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
         if n == 0:
@@ -1451,7 +1441,7 @@ class DiskTier:
         g = self._group(group)
         sl = self._check_slots(g, slots)
         recs = journal.as_records(records, len(sl))
-        if len(sl) and journal.malformed(_with_gen(recs)).any():
+        if len(sl) and journal.malformed(recs, stored=False).any():
             raise UsageError("records with an unknown key form or a priority above 100")
         if not len(sl):
             return

@@ -191,13 +191,16 @@ def frame(magic: bytes, payload: bytes | memoryview) -> bytes:
     return FRAME.pack(magic, len(payload), zlib.crc32(payload)) + bytes(payload)
 
 
-def malformed(recs: np.ndarray) -> np.ndarray:
+def malformed(recs: np.ndarray, stored: bool = True) -> np.ndarray:
     """Mask of records no writer produces: unknown kinds or key forms, a
-    generation of 0, a priority out of range."""
-    kind, ktag, ptag = recs["kind"], recs["ktag"], recs["ptag"]
-    bad = (kind > FREE) | (recs["gen"] == 0)
-    w = kind == WRITE
-    bad |= w & (ktag > 16) & (ktag != TAG_ANONYMOUS)
-    bad |= w & (ptag > 16) & (ptag != TAG_NONE)
-    bad |= w & (recs["priority"] > MAX_PRIORITY)
-    return bad
+    generation of 0, a priority out of range. ``stored=False`` checks a
+    caller's write records before the tier stamps kind and generation: their
+    content only."""
+    ktag, ptag = recs["ktag"], recs["ptag"]
+    bad = (ktag > 16) & (ktag != TAG_ANONYMOUS)
+    bad |= (ptag > 16) & (ptag != TAG_NONE)
+    bad |= recs["priority"] > MAX_PRIORITY
+    if not stored:
+        return bad
+    kind = recs["kind"]
+    return ((kind == WRITE) & bad) | (kind > FREE) | (recs["gen"] == 0)
