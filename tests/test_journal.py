@@ -179,6 +179,53 @@ def test_hostile_records_are_skipped_and_reported(tmp_path):
         assert all(np.array_equal(out[i].numpy(), page(s + 1)) for i, s in enumerate(range(4, 16)))
 
 
+@pytest.mark.parametrize("forged", ["record", "header"])
+def test_a_forged_huge_generation_does_not_stop_writes(tmp_path, forged):
+    """A generation near u8's end (in a record or as the header's next_gen) would leave the tier
+    unable to number its next write: the record is malformed, the header a bad one."""
+    fill(tmp_path)
+    jpath = os.path.join(tmp_path, "group-0.journal")
+    if forged == "record":
+        (off, ln), = records_frames(tmp_path)
+        recs = frame_records(tmp_path, off, ln)
+        recs[0]["gen"] = (1 << 64) - 1
+        rewrite_frame(tmp_path, off, recs)
+    else:
+        data = open(jpath, "rb").read()
+        magic, ln, _ = journal.FRAME.unpack_from(data, 0)
+        head = msgpack.unpackb(data[journal.FRAME.size:journal.FRAME.size + ln])
+        head["next_gen"] = 1 << 63
+        with open(jpath, "wb") as f:
+            f.write(journal.frame(journal.HEADER_MAGIC, msgpack.packb(head)) + data[journal.FRAME.size + ln:])
+    with DiskTier.open(str(tmp_path), FP, GROUPS) as tier:
+        assert tier.journal_errors
+        tier.write(0, [20], torch.from_numpy(page(77)[None]), [PageRecord(77, None, 0, 0)])
+    with DiskTier.open(str(tmp_path), FP, GROUPS) as tier:
+        assert tier.record(0, 20).key == 77
+
+
+def test_a_journal_of_near_miss_frames_opens_with_linear_reads(tmp_path, monkeypatch):
+    """Megabytes of records magics with impossible lengths: each candidate is charged to the
+    resync budget and searched in the window already read, so the bytes read stay linear in
+    the file's size (re-reading a 4 MiB window per candidate read terabytes)."""
+    import tiers.disk as disk
+    fill(tmp_path)
+    jpath = os.path.join(tmp_path, "group-0.journal")
+    with open(jpath, "ab") as f:
+        f.write(struct.pack("<4sII", journal.RECORDS_MAGIC, 0xFFFFFFF0, 0) * (3 << 18))  # 9 MiB
+    read = [0]
+    real = os.pread
+
+    def counting(fd, n, off):
+        data = real(fd, n, off)
+        read[0] += len(data)
+        return data
+    monkeypatch.setattr(disk.os, "pread", counting)
+    with DiskTier.open(str(tmp_path), FP, GROUPS) as tier:
+        assert len(tier.recovered) == 16 and tier.journal_errors
+    assert read[0] < 4 * os.path.getsize(jpath) + (64 << 20)
+
+
 def test_a_frame_of_msgpack_maps_is_skipped(tmp_path):
     """A frame whose payload is not records (the old format's maps, say) ends in KeyError no more."""
     fill(tmp_path)

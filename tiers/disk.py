@@ -380,6 +380,10 @@ class _Group:
         return [(a, min(b, a + cap)) for lo, b in zip(bounds, bounds[1:]) for a in range(lo, b, cap)]
 
 
+def _valid_next_gen(v: object) -> bool:
+    return type(v) is int and 1 <= v <= journal.MAX_GEN + 1
+
+
 class _Reader:
     """Reads a journal by absolute offset through a window of ``chunk`` bytes. ``os.pread``
     releases the GIL while the disk works (an mmap's page faults would hold it: a cold journal
@@ -399,16 +403,20 @@ class _Reader:
         return self.buf[off - self.base:off - self.base + n]
 
     def find(self, needle: bytes, start: int) -> int:
-        """Offset of the first ``needle`` at or after ``start``, or -1."""
+        """Offset of the first ``needle`` at or after ``start``, or -1. Searches the
+        window it holds before reading on, so a run of near-miss candidates costs
+        one read per window, not one per candidate."""
         pos = start
         while pos < self.size:
-            window = self.read(pos, self.chunk)
-            i = window.find(needle)
+            if not (self.base <= pos and pos + len(needle) <= self.base + len(self.buf)):
+                self.base, self.buf = pos, os.pread(self.fd, min(self.chunk, self.size - pos), pos)
+            i = self.buf.find(needle, pos - self.base)
             if i >= 0:
-                return pos + i
-            if pos + len(window) >= self.size:
+                return self.base + i
+            end = self.base + len(self.buf)
+            if end >= self.size:
                 return -1
-            pos += len(window) - len(needle) + 1
+            pos = end - len(needle) + 1
         return -1
 
 
@@ -465,6 +473,7 @@ class _Replay:
             pos = src.find(journal.RECORDS_MAGIC, pos)
             if pos < 0:
                 return None
+            self.crc_budget -= FRAME.size      # every candidate costs, even one rejected unread
             if not isinstance(self.frame_at(src, pos, size), str):
                 return pos
             pos += 1
@@ -492,7 +501,7 @@ class _Replay:
                 try:
                     head = _unpackb(payload)
                     if not isinstance(head, dict) or head.get("group") != g.index or \
-                            head.get("format") != FORMAT_VERSION or not isinstance(head.get("next_gen", 1), int):
+                            head.get("format") != FORMAT_VERSION or not _valid_next_gen(head.get("next_gen", 1)):
                         raise ValueError(f"header {head!r} is not this group's")
                 except (ValueError, TypeError, msgpack.UnpackException) as e:
                     self.error(0, f"bad journal header ({e}); the journal is dropped")
@@ -966,6 +975,9 @@ class DiskTier:
     def _take_gens(self, n: int) -> int:
         with self._gen_lock:
             first = self._gen
+            if first + n > journal.MAX_GEN:      # 2**62 writes: not reachable by use, only by a forged journal
+                raise TierIOError(errno.EOVERFLOW, f"disk tier {self.path}: journal generations exhausted; "
+                                  "reopen with on_mismatch='wipe'")
             self._gen += n
             return first
 

@@ -18,7 +18,8 @@ Record fields::
     lc        life cycle index
     slot      slot in the group's segment
     depth     block index in its chain
-    gen       generation: monotonic per directory, the last record of a slot wins
+    gen       generation: monotonic per directory, the last record of a slot wins;
+              1..MAX_GEN (a larger one is malformed: it would leave no room to count on)
     csum      XXH64 of the page's bytes XOR its identity (see ``identity``)
 
 Frames: ``<4s magic><u32 length><u32 crc32(payload)>`` then the payload. The
@@ -44,6 +45,7 @@ RECORD = np.dtype([
     ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"), ("parent_hi", "<u8"),
 ])
 assert RECORD.itemsize == 64
+MAX_GEN = (1 << 62) - 1     # generations stay far below u8's end: a hostile 2**64-1 cannot stop writes
 _ROW = np.dtype((np.void, RECORD.itemsize))    # a record as opaque bytes: numpy moves these at memcpy speed
 
 
@@ -193,7 +195,7 @@ def frame(magic: bytes, payload: bytes | memoryview) -> bytes:
 
 def malformed(recs: np.ndarray, stored: bool = True) -> np.ndarray:
     """Mask of records no writer produces: unknown kinds or key forms, a
-    generation of 0, a priority out of range. ``stored=False`` checks a
+    generation of 0 or beyond ``MAX_GEN``, a priority out of range. ``stored=False`` checks a
     caller's write records before the tier stamps kind and generation: their
     content only."""
     ktag, ptag = recs["ktag"], recs["ptag"]
@@ -203,4 +205,5 @@ def malformed(recs: np.ndarray, stored: bool = True) -> np.ndarray:
     if not stored:
         return bad
     kind = recs["kind"]
-    return ((kind == WRITE) & bad) | (kind > FREE) | (recs["gen"] == 0)
+    gen = recs["gen"]
+    return ((kind == WRITE) & bad) | (kind > FREE) | (gen == 0) | (gen > MAX_GEN)

@@ -72,9 +72,11 @@ struct RowIndex {
   int64_t operator[](size_t i) const { return data ? data[int64_t(i) * stride] : int64_t(i); }
 };
 
-// dst[dst_index[i]] = src[src_index[i]] for every i: one memcpy per row, GIL released. The
-// host side of page moves (host slabs, the emulated GPU, staging), where numpy's fancy
-// indexing made two passes (gather into a temporary, then scatter) and held the GIL.
+// dst[dst_index[i]] = src[src_index[i]] for every i, in order: one memmove per row, GIL
+// released. The host side of page moves (host slabs, the emulated GPU, staging), where
+// numpy's fancy indexing made two passes (gather into a temporary, then scatter) and held
+// the GIL. src and dst may be views of one buffer (memmove); dst's own rows may not overlap
+// each other, or a row written would change another.
 void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optional<Index> dst_index) {
   if (src.shape(1) != dst.shape(1)) throw nb::value_error("copy_rows: rows of different widths");
   if ((src.shape(1) && src.stride(1) != 1) || (dst.shape(1) && dst.stride(1) != 1))
@@ -84,21 +86,27 @@ void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optio
   RowIndex di(dst_index, n, dst.shape(0), "copy_rows: destination row out of range");
   if (si.size != di.size) throw nb::value_error("copy_rows: source and destination row counts differ");
   const size_t width = src.shape(1);
+  const int64_t dst_step = dst.stride(0) < 0 ? -dst.stride(0) : dst.stride(0);
+  if (dst.shape(0) > 1 && width && size_t(dst_step) < width)
+    throw nb::value_error("copy_rows: the destination's rows overlap each other");
   const uint8_t* s = src.data();
   uint8_t* d = dst.data();
   const int64_t ss = src.stride(0), ds = dst.stride(0);
   nb::gil_scoped_release nogil;
-  for (size_t i = 0; i < n; ++i) std::memcpy(d + di[i] * ds, s + si[i] * ss, width);
+  for (size_t i = 0; i < n; ++i) std::memmove(d + di[i] * ds, s + si[i] * ss, width);
 }
 
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "kvtier's data-plane kernels: batched page checksums";
+  m.doc() = "kvtier's data-plane kernels: batched page checksums and row copies";
   m.def("xxh64_rows", &xxh64_rows, "rows"_a, "index"_a = nb::none(), "seed"_a = 0,
         "XXH64 of each row (or of rows[index]) as a uint64 numpy array; the GIL is released while hashing.");
-  m.def("copy_rows", &copy_rows, "src"_a, "src_index"_a.none(), "dst"_a, "dst_index"_a.none(),
-        "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memcpy per row, GIL released.");
+  // noconvert: an array of another dtype or layout is an error, never a silent temporary (a
+  // converted dst would take the writes and be thrown away).
+  m.def("copy_rows", &copy_rows, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
+        "dst_index"_a.noconvert().none(),
+        "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row, GIL released.");
   m.def("xxh64", [](nb::bytes data, uint64_t seed) { return kvtier::xxh64(data.c_str(), data.size(), seed); },
         "data"_a, "seed"_a = 0, "XXH64 of a bytes object.");
 }
