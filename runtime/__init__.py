@@ -1,7 +1,7 @@
 """kvtier's control plane on asyncio: the Store and what surrounds it."""
 from __future__ import annotations
 
-from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.config import DiskConfig, EventsConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.errors import (ConfigError, CorruptPageError, DiskFullError, KvtierError, OutOfPagesError,
                           StoreClosedError, TierIOError, UsageError)
 from tiers.layers import LayerSpec
@@ -13,7 +13,7 @@ from .sequence import Sequence
 from .store import Store
 
 __all__ = [
-    "Store", "Sequence", "StoreConfig", "GpuConfig", "HostConfig", "DiskConfig", "LayerSpec", "ReusePolicy",
+    "Store", "Sequence", "StoreConfig", "GpuConfig", "HostConfig", "DiskConfig", "EventsConfig", "LayerSpec", "ReusePolicy",
     "load_config", "run", "ConfigError", "CorruptPageError", "DiskFullError", "KvtierError", "OutOfPagesError",
     "StoreClosedError", "TierIOError", "UsageError",
 ]

@@ -89,7 +89,10 @@ class Sequence:
         pending = np.concatenate([self.tail, new])
         parent = self.keys[-1] if self.keys else b""
         keys = hash_blocks(pending, tpb, self.store.cfg.hash_salt, parent)
+        first = len(self.keys)
         self._append_keys(keys)
+        if self.store.kv_events is not None:
+            self.store.kv_events.tokens(self.sid, first, pending[:len(keys) * tpb])
         self.tail = pending[len(keys) * tpb:].copy()
         self.num_tokens += len(new)
 

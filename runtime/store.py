@@ -32,6 +32,7 @@ from tiers.policy import ReusePolicy
 from tiers.streams import CudaEvent
 
 from .core import Core, CoreError, Pages
+from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .loop import short_switch_interval
@@ -90,6 +91,7 @@ class Store:
         self.disk_full_events = 0          # spills the full filesystem refused ...
         self.disk_full_dropped = 0         # ... and the evicted pages dropped instead
         self._disk_full_logged = float("-inf")
+        self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -130,6 +132,8 @@ class Store:
         loop = asyncio.get_running_loop()
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
+            if self.kv_events is not None:
+                self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:
                 await index_recovered(self)     # the core is rebuilt off the loop: nothing may use it meanwhile
         for t in self.tier_ids:
@@ -143,12 +147,16 @@ class Store:
                     r.start()
                     if t == GPU:
                         self.gpu_reclaimers.append((self.lcs_per_gpu_group.get(g, 0), r))
+        if self.kv_events is not None:
+            self.kv_events.run()
         self.started = True
 
     def _build(self) -> None:
         """Allocate slabs and open the disk tier (blocking: run off the loop)."""
         cfg = self.cfg
         host_cfg = cfg.host
+        if self.kv_events is not None:
+            self.kv_events.open()               # binds its sockets: a bad endpoint fails the start first
         self.device = Device(cfg.gpu.device, host_cfg.pinned if host_cfg else None)
         cfg.check_memory(self.device.free_bytes(), host_available_bytes())
         n = {name: cfg.slots_per_group(name) for name in TIER_NAMES}
@@ -196,12 +204,16 @@ class Store:
                 await persist(self)
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
+        if self.kv_events is not None and self.core is not None:
+            await self.kv_events.stop()         # the last batches, persisting's moves included
         self.closed = True
-        if self.engine is not None or self.disk is not None:
+        if self.engine is not None or self.disk is not None or self.kv_events is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.engine is not None:
             self.engine.close()
         if self.disk is not None:
@@ -277,6 +289,8 @@ class Store:
                     sid, matched, by_tier = self.core.open(keys, priority)
                 except (ValueError, TypeError) as exc:
                     raise UsageError(str(exc)) from None
+        if token_arr is not None and self.kv_events is not None:
+            self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
         seq = Sequence(self, sid, keys, token_arr, priority)
         seq.matched_blocks = matched
         seq.matched_by_tier = dict(zip(TIER_NAMES, by_tier))
@@ -731,7 +745,28 @@ class Store:
         }
         if self.disk is not None:
             out["disk"] = dict(self.disk.stats)
+        if self.kv_events is not None:
+            out["events"] = self.kv_events.stats()
         return out
+
+    # -- KV events (runtime/events.py) ------------------------------------------------------
+    def take_events(self) -> list[list]:
+        """KV event batches ``[ts, events, dp_rank]`` made since the last call,
+        oldest first (with an ``[events] endpoint`` they are buffered from the
+        first call on). Needs ``[events]`` in the config."""
+        self._check()
+        return self._kv().take()
+
+    def event_batches(self):
+        """``async for batch in store.event_batches()``: batches as they are made,
+        until the store closes."""
+        self._check()
+        return self._kv().batches()
+
+    def _kv(self) -> KvEvents:
+        if self.kv_events is None:
+            raise UsageError("KV events are off: add [events] to the config (StoreConfig(events=EventsConfig()))")
+        return self.kv_events
 
     async def drain(self) -> None:
         """Wait until no move, eviction or background demotion is in flight."""

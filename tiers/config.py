@@ -101,6 +101,37 @@ class DiskConfig(TierConfig):
 
 
 @dataclasses.dataclass(slots=True)
+class EventsConfig:
+    """KV events for routers (runtime/events.py). Present means on; with no
+    ``endpoint`` they reach only Python readers (``Store.take_events``)."""
+
+    endpoint: str | None = None         # ZMQ PUB address kvtier binds, e.g. "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None  # ZMQ ROUTER address for catching up on missed batches
+    topic: str | None = None            # default "kv@<worker_id>@<model>"
+    worker_id: str | None = None        # default "<hostname>-<pid>"
+    model: str = ""
+    buffer_batches: int = 10_000        # batches kept for replay, queued for sending, buffered for readers
+    positional: bool = False            # events as arrays, the older vLLM layout
+    data_parallel_rank: int = 0
+    flush_interval: float = 0.005       # seconds between turning the core's log into batches
+
+    def check(self) -> None:
+        for name in ("endpoint", "replay_endpoint", "topic", "worker_id"):
+            _check_type(getattr(self, name), (str, type(None)), f"events.{name}", "a string")
+        _check_type(self.model, (str,), "events.model", "a string")
+        _check_type(self.positional, (bool,), "events.positional", "true or false")
+        _positive_int(self.buffer_batches, "events.buffer_batches")
+        if not isinstance(self.data_parallel_rank, int) or isinstance(self.data_parallel_rank, bool) \
+                or self.data_parallel_rank < 0:
+            raise ConfigError("events.data_parallel_rank", f"must be a non-negative integer, got {self.data_parallel_rank!r}")
+        if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) \
+                or not 0.0001 <= self.flush_interval <= 10:
+            raise ConfigError("events.flush_interval", f"must be a number of seconds in 0.0001..10, got {self.flush_interval!r}")
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ConfigError("events.replay_endpoint", "needs events.endpoint (replay serves the published batches)")
+
+
+@dataclasses.dataclass(slots=True)
 class StoreConfig:
     layers: list[LayerSpec]
     gpu: GpuConfig
@@ -110,6 +141,7 @@ class StoreConfig:
     hash_salt: bytes = b""
     default_priority: int = 35
     persist_on_close: bool = True   # spill committed GPU/host pages to disk at close
+    events: EventsConfig | None = None  # KV events for routers; off when None
     layout: Layout = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +155,10 @@ class StoreConfig:
                 or not 0 <= self.default_priority <= 100):
             raise ConfigError("default_priority", "must be an integer in 0..100")
         _check_type(self.persist_on_close, (bool,), "persist_on_close", "true or false")
+        if self.events is not None:
+            if not isinstance(self.events, EventsConfig):
+                raise ConfigError("events", "must be an EventsConfig")
+            self.events.check()
         _check_type(self.gpu.device, (str,), "tiers.gpu.device", "a string")
         if self.host is not None:
             _check_type(self.host.codec, (str,), "tiers.host.codec", "a string")
@@ -216,7 +252,9 @@ class StoreConfig:
     def from_dict(cls, d: Mapping[str, Any], base_dir: str = ".") -> "StoreConfig":
         d = dict(d)
         _reject_unknown(d, {"tokens_per_block", "layers", "tiers", "hash_salt", "default_priority",
-                            "persist_on_close"}, "")
+                            "persist_on_close", "events"}, "")
+        if "events" in d:
+            d["events"] = _tier(EventsConfig, d["events"], "events")
         raw_tiers = d.pop("tiers", None) or {}
         if not isinstance(raw_tiers, Mapping):
             raise ConfigError("tiers", "must be a table")

@@ -392,6 +392,40 @@ NB_MODULE(_core, m) {
              }
              return forget;
            })
+      // -- KV events (kv_events.hpp)
+      .def("set_kv_events", &Core::set_kv_events, "on"_a)
+      .def("set_tokens", [](Core& c, int32_t s, int32_t first,
+                            nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens, int32_t tpb) {
+             if (tpb <= 0 || tokens.shape(0) % size_t(tpb)) throw nb::value_error("set_tokens: not whole blocks of tokens");
+             c.set_tokens(s, first, tokens.data(), int32_t(tokens.shape(0) / size_t(tpb)));
+           }, "seq"_a, "first"_a, "tokens"_a.noconvert(), "tokens_per_block"_a)
+      .def("take_kv_events", [](Core& c) {
+             // (entries as bytes of KvEvent, tokens as bytes of int32); the log is emptied
+             kvtier::KvEventLog& log = c.kv_events();
+             nb::bytes ev(reinterpret_cast<const char*>(log.events.data()), log.events.size() * sizeof(kvtier::KvEvent));
+             nb::bytes tok(reinterpret_cast<const char*>(log.tokens.data()), log.tokens.size() * sizeof(int32_t));
+             log.events.clear();
+             log.tokens.clear();
+             return nb::make_tuple(ev, tok);
+           })
+      .def("kv_event_count", [](Core& c) { return c.kv_events().events.size(); })
+      .def("published_hashes", [](const Core& c) {
+             // what each tier holds as routers see it: (hashes u64, tiers i8, lcs u8) as bytes, one per
+             // live published page (tests compare it with the events; a snapshot for late joiners)
+             std::vector<uint64_t> h;
+             std::vector<int8_t> t;
+             std::vector<uint8_t> l;
+             for (size_t id = 0; id < c.page_count(); ++id) {
+               const kvtier::Page& p = c.page(int32_t(id));
+               if (!p.in_use() || p.dead || !p.published || p.block < 0 || !c.block(p.block).has_key) continue;
+               h.push_back(kvtier::external_hash(c.block(p.block).key));
+               t.push_back(p.tier);
+               l.push_back(p.lc);
+             }
+             return nb::make_tuple(nb::bytes(reinterpret_cast<const char*>(h.data()), h.size() * 8),
+                                   nb::bytes(reinterpret_cast<const char*>(t.data()), t.size()),
+                                   nb::bytes(reinterpret_cast<const char*>(l.data()), l.size()));
+           })
       // -- drains
       .def("take_disk_frees", &Core::take_disk_frees)
       .def("take_relabels", [](Core& c) {

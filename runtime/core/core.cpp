@@ -128,6 +128,25 @@ void Core::release_slot(int tier, int group, int32_t slot, int32_t fence) {
   if (tier == DISK) disk_frees_.push_back({group, Ids{slot}});
 }
 
+void Core::note(KvEventKind kind, int32_t id) {
+  const Page& p = pt_[id];
+  if (p.block < 0) return;
+  const Block& x = index_.blocks[p.block];
+  if (!x.has_key) return;
+  kv_events_.push(kind, p.tier, p.lc, p.block, x.key, x.parent >= 0 ? &index_.blocks[x.parent].key : nullptr);
+}
+
+void Core::set_tokens(int32_t s, int32_t first, const int32_t* tokens, int32_t n) {
+  if (!kv_events_.on) return;
+  Seq& q = live_seq(s);
+  size_t have = q.tokens.size() / size_t(tpb_);
+  if (first < 0 || n < 0 || size_t(first) + size_t(n) > q.keys.size())
+    throw CoreError("set_tokens: positions beyond the sequence's keys");
+  if (size_t(first) > have) return;       // after a gap (tokens not kept before): none kept from here
+  q.tokens.resize(std::max(have, size_t(first) + size_t(n)) * size_t(tpb_));
+  std::copy(tokens, tokens + size_t(n) * size_t(tpb_), q.tokens.begin() + std::ptrdiff_t(size_t(first) * size_t(tpb_)));
+}
+
 void Core::free_page(int32_t id, bool release) {
   Page& p = pt_[id];
   if (p.dead) return;
@@ -143,7 +162,7 @@ void Core::drop(int32_t id, bool release) {
   if (!p.dead) ++counters_.drops;
   int32_t b = p.block;
   int lc = p.lc;
-  p.published = false;
+  unpublish(id);
   if (b < 0) {
     free_page(id, release);
     return;
@@ -179,7 +198,7 @@ void Core::drop_subtree(int32_t root) {
     for (int lc = 0; lc < n_lcs(); ++lc) {
       int32_t q = index_.page(node, lc);
       if (q < 0 || pt_[q].dead) continue;
-      pt_[q].published = false;
+      unpublish(q);
       if (pt_[q].holders) requeue(q);          // a live sequence keeps it; freed when it closes
       else free_page(q);
     }
@@ -323,6 +342,7 @@ Ids Core::place_extension(int32_t s, int32_t n, std::vector<Ids>& slots) {
   size_t first_cell = q.pages.size();
   for (int32_t i = start; i < start + n; ++i) {
     int32_t b = index_.create(parent, i);
+    kv_events_.forget(b);
     Block& blk = index_.blocks[b];
     if (size_t(i) < q.keys.size()) {
       blk.key = q.keys[i];
@@ -635,12 +655,12 @@ void Core::adopt(int32_t node, int32_t s, int32_t i) {
     if (theirs >= 0 && !pt_[theirs].dead) {
       Page& t = pt_[theirs];
       if (t.holders || t.locks || t.claim || t.tier <= p.tier) continue;
-      t.published = false;
+      unpublish(theirs);
       index_.page(node, lc) = -1;
       free_page(theirs);
     }
     set_block(id, node);
-    p.published = true;
+    publish(id);
     index_.page(node, lc) = id;
     requeue(id);
     published_cold(id);
@@ -660,7 +680,10 @@ int32_t Core::commit(int32_t s, int32_t n) {
     for (int32_t i = 0; i < n; ++i) {
       int32_t b = q.blocks[i];
       if (i < q.committed) {
-        if (index_.blocks[b].indexed) adopt(b, s, i);
+        if (index_.blocks[b].indexed) {
+          give_tokens(q, i, b);
+          adopt(b, s, i);
+        }
         continue;
       }
       int32_t parent = i ? q.blocks[i - 1] : -1;
@@ -673,6 +696,7 @@ int32_t Core::commit(int32_t s, int32_t n) {
         blk.has_key = true;
         blk.parent = parent;
         index_.insert(b);
+        give_tokens(q, i, b);
         for (int lc = 0; lc < nl; ++lc) {
           int32_t id = q.pages[size_t(i) * nl + lc];
           if (id < 0) continue;
@@ -682,7 +706,7 @@ int32_t Core::commit(int32_t s, int32_t n) {
           } else {
             set_block(id, b);                     // a page refilled in the row (fill_holes) becomes the block's
             index_.page(b, lc) = id;
-            p.published = true;
+            publish(id);
             if (!p.locks) requeue(id);
             published_cold(id);
           }
@@ -691,6 +715,7 @@ int32_t Core::commit(int32_t s, int32_t n) {
         index_.ref(node);
         q.blocks[i] = node;
         index_.unref(b);
+        give_tokens(q, i, node);
         adopt(node, s, i);
       }
       q.committed = std::max(q.committed, i + 1);
@@ -957,12 +982,18 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
     Page& p = pt_[batch[i]];
     freed.push_back(p.slot);
     src_owners[p.slot] = -1;
+    if (kv_events_.on && p.published) note(KV_REMOVED, batch[i]);
     p.tier = int8_t(dst_tier);
     p.group = uint8_t(dst_group);
     p.slot = dst_slots[i];
     p.ready = event;
     dst_owners[dst_slots[i]] = batch[i];
   }
+  // Arrivals in reverse: victims leave their queue deepest block first, so reversed they
+  // form chains (parent before child), which routers take as one BlockStored each.
+  if (kv_events_.on)
+    for (size_t i = batch.size(); i-- > 0;)
+      if (pt_[batch[i]].published) note(KV_STORED, batch[i]);
   if (src_tier == DISK) disk_frees_.push_back({src_group, freed});
   if (handoff) {                                   // the caller's next writer waits on this batch's reads
     for (int32_t slot : freed) allocs_[src_tier][src_group].set_fence(slot, event);
@@ -1066,6 +1097,7 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
     }
     if (node < 0) {
       node = index_.create(parent, r.depth);
+      kv_events_.forget(node);
       index_.blocks[node].key = r.key;
       index_.blocks[node].has_key = true;
       index_.insert(node);
@@ -1077,8 +1109,8 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
     p.group = uint8_t(r.group);
     p.slot = r.slot;
     p.priority = uint8_t(std::clamp(r.priority, 0, 100));
-    p.published = true;
     set_block(id, node);
+    publish(id);
     index_.page(node, r.lc) = id;
     owners_[DISK][r.group][r.slot] = id;
     taken[r.group][r.slot] = 1;

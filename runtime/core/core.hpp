@@ -30,6 +30,7 @@
 #include "allocator.hpp"
 #include "index.hpp"
 #include "keys.hpp"
+#include "kv_events.hpp"
 #include "lru.hpp"
 #include "page_table.hpp"
 #include "policy.hpp"
@@ -44,6 +45,7 @@ struct Seq {
   Ids pages;                    // blocks.size() * n_lcs: the sequence's page per (block, lc), -1 none
   std::vector<uint8_t> recompute;   // same shape: the page holds no cached data (caller recomputes)
   Ids locked;                   // exactly the pages this sequence's acquire locked
+  std::vector<int32_t> tokens;  // KV events on: tokens of key positions [0, tokens.size() / tpb)
   int32_t committed = 0;
   uint8_t priority = 35;
   bool acquired = false;
@@ -111,6 +113,7 @@ class Core {
     if (s < 0 || size_t(s) >= seqs_.size() || !seqs_[s].in_use) throw CoreError("no such sequence");
     return seqs_[s];
   }
+  size_t page_count() const { return pt_.pages.size(); }
   bool valid_page(int32_t id) const { return id >= 0 && size_t(id) < pt_.pages.size(); }
 
   // Extension: `slots[g]` holds the new pages' slots of GPU group g (popped from
@@ -183,6 +186,14 @@ class Core {
   std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
   std::vector<RecoveredRecord>& pending_records() { return pending_records_; }   // filled in chunks by the bindings
 
+  // -- KV events (kv_events.hpp) ----------------------------------------------------
+  void set_kv_events(bool on) { kv_events_.on = on; kv_events_.tpb = tpb_; }
+  // Tokens of the sequence's key positions [first, first + n) (n * tokens_per_block),
+  // given to the blocks that commit publishes for their STORED entries; a no-op while
+  // events are off. Positions after a gap in what was given get none.
+  void set_tokens(int32_t s, int32_t first, const int32_t* tokens, int32_t n);
+  KvEventLog& kv_events() { return kv_events_; }
+
   // -- drains -----------------------------------------------------------------------
   std::vector<std::pair<int32_t, Ids>> take_disk_frees();
   std::vector<std::pair<int32_t, Ids>> take_relabels();     // (disk group, pages)
@@ -216,6 +227,17 @@ class Core {
  private:
   bool evictable(const Page& p) const {
     return !p.locks && !p.claim && !p.dead && (p.tier != last_tier_ || (p.published && !p.holders));
+  }
+  void note(KvEventKind kind, int32_t id);     // a KV event for the page's block, in its tier
+  void give_tokens(const Seq& q, int32_t i, int32_t b) {   // KV events: position i's tokens to block b
+    if (kv_events_.on && size_t(i + 1) * size_t(tpb_) <= q.tokens.size() && !kv_events_.has_tokens(b))
+      kv_events_.set_tokens(b, &q.tokens[size_t(i) * size_t(tpb_)]);
+  }
+  void publish(int32_t id) { pt_[id].published = true; if (kv_events_.on) note(KV_STORED, id); }
+  void unpublish(int32_t id) {
+    Page& p = pt_[id];
+    if (p.published && kv_events_.on) note(KV_REMOVED, id);
+    p.published = false;
   }
   void requeue(int32_t id);
   void queue_all(const Ids& pages);               // the evictable ones among unqueued pages
@@ -265,6 +287,7 @@ class Core {
   Ids relabels_;                                       // pages to relabel (filtered at take)
   mutable std::vector<int32_t> scratch_;
   std::vector<RecoveredRecord> pending_records_;
+  KvEventLog kv_events_;
 };
 
 }  // namespace kvtier

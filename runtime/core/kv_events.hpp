@@ -1,0 +1,103 @@
+// The KV event log: what each tier starts and stops holding, for KV-aware
+// routers (vLLM's BlockStored / BlockRemoved, see runtime/events.py).
+//
+// "A tier holds a block's page" means: the page is published (indexed for
+// reuse) and lives in that tier. The core appends one entry whenever that
+// changes: a commit publishes, a move lands (removed from the source tier,
+// stored in the destination), a drop or a subtree drop unpublishes, recovery
+// publishes on disk. Python drains the log in batches; it costs nothing when
+// off (one predictable branch per change).
+//
+// Invariants:
+// - entries are in the order the changes happened; replaying them gives, per
+//   (tier, life cycle), exactly the set of published pages' block hashes;
+// - a STORED entry's `token_at` indexes `tokens` (tpb tokens) or is -1 when
+//   the block's tokens are unknown (a block_keys= sequence, a recovered page);
+// - `block_has[b]` is true only while block id b holds the tokens written for
+//   it: a block id is reset (forget) whenever the index creates it anew.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "keys.hpp"
+
+namespace kvtier {
+
+enum KvEventKind : uint8_t { KV_STORED = 0, KV_REMOVED = 1 };
+
+// 24 bytes, laid out as runtime/events.py's EVENT dtype.
+struct KvEvent {
+  uint64_t hash;            // the block's external hash (external_hash below)
+  uint64_t parent_hash;     // its parent's, when has_parent
+  int32_t token_at;         // first token in KvEventLog::tokens, or -1
+  uint8_t kind;             // KvEventKind
+  int8_t tier;
+  uint8_t lc;
+  uint8_t has_parent;
+};
+static_assert(sizeof(KvEvent) == 24, "runtime/events.py reads this layout");
+
+// A block key's 64-bit hash as routers see it, the same in every process:
+// an int key in [0, 2**64) is its own hash (callers that pass their engine's
+// block hashes as block_keys= see them unchanged), any other key is mixed
+// (splitmix64's finalizer over both halves and the form tag).
+inline uint64_t external_hash(const Key& k) {
+  uint64_t lo, hi;
+  std::memcpy(&lo, k.bytes, 8);
+  std::memcpy(&hi, k.bytes + 8, 8);
+  if (k.tag == 0 && hi == 0) return lo;
+  uint64_t x = lo ^ (hi * 0x9E3779B97F4A7C15ULL) ^ (uint64_t(k.tag) << 56) ^ 0xD6E8FEB86659FD93ULL;
+  x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27; x *= 0x94D049BB133111EBULL;
+  x ^= x >> 31;
+  return x;
+}
+
+class KvEventLog {
+ public:
+  bool on = false;
+  int32_t tpb = 0;
+  std::vector<KvEvent> events;
+  std::vector<int32_t> tokens;          // tpb per STORED entry that has them
+
+  // Per block id: its tokens (tpb each) and whether they are known.
+  std::vector<int32_t> block_tokens;
+  std::vector<uint8_t> block_has;
+
+  void forget(int32_t b) {
+    if (on && size_t(b) < block_has.size()) block_has[size_t(b)] = 0;
+  }
+  void set_tokens(int32_t b, const int32_t* toks) {
+    size_t need = size_t(b) + 1;
+    if (block_has.size() < need) {
+      size_t n = std::max(need, block_has.size() * 2);
+      block_has.resize(n, 0);
+      block_tokens.resize(n * size_t(tpb), 0);
+    }
+    std::memcpy(&block_tokens[size_t(b) * tpb], toks, sizeof(int32_t) * size_t(tpb));
+    block_has[size_t(b)] = 1;
+  }
+  bool has_tokens(int32_t b) const { return size_t(b) < block_has.size() && block_has[size_t(b)]; }
+
+  void push(KvEventKind kind, int tier, int lc, int32_t block, const Key& key, const Key* parent) {
+    KvEvent e;
+    e.hash = external_hash(key);
+    e.parent_hash = parent ? external_hash(*parent) : 0;
+    e.has_parent = parent != nullptr;
+    e.kind = kind;
+    e.tier = int8_t(tier);
+    e.lc = uint8_t(lc);
+    e.token_at = -1;
+    if (kind == KV_STORED && has_tokens(block)) {
+      e.token_at = int32_t(tokens.size());
+      const int32_t* t = &block_tokens[size_t(block) * tpb];
+      tokens.insert(tokens.end(), t, t + tpb);
+    }
+    events.push_back(e);
+  }
+};
+
+}  // namespace kvtier

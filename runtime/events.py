@@ -1,0 +1,275 @@
+"""KV events: what each tier holds, told to KV-aware routers in vLLM's format.
+
+The native core logs a STORED entry whenever a block's page becomes
+published in a tier (a commit, a move landing, recovery) and a REMOVED entry
+whenever it stops being so (a move leaving, a drop, a subtree drop, a
+corrupt read). This module drains that log off the hot path (a flush every
+``flush_interval`` seconds, and whenever a caller takes events), turns it
+into vLLM's event batches and hands each batch to the ZMQ publisher and to
+Python readers. Nothing here blocks on a consumer: buffers are bounded and
+what does not fit is counted as dropped.
+
+A batch is ``[ts, [event, ...], data_parallel_rank]``; each event is a map
+tagged ``"type"`` with vLLM's field names, fields at their default (``None``)
+omitted as vLLM's encoder omits them::
+
+    {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | None,
+     "token_ids": [t, ...], "block_size": tokens_per_block, "lora_id": None,
+     "medium": "GPU" | "CPU_PINNED" | "DISK" | "EXTERNAL", "lora_name": None,
+     "group_idx": life cycle index, "kv_cache_spec_kind": "full_attention" |
+     "sliding_window" | "mamba", ["kv_cache_spec_sliding_window": window tokens]}
+    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": ..., "group_idx": ...}
+    {"type": "AllBlocksCleared"}
+
+A BlockStored's hashes form a chain: the first block's parent is
+``parent_block_hash``, each later block's parent the one before it.
+``token_ids`` holds ``block_size`` tokens per block when the blocks' tokens
+are known (sequences opened with ``tokens=``), else it is empty (``block_keys=``
+sequences, and pages recovered from disk: the journal keeps keys, not tokens).
+With ``positional = true`` events are arrays in the older vLLM layout:
+``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]``,
+``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``.
+
+Block hashes are unsigned 64-bit: an int block key in [0, 2**64) is its own
+hash, any other key is mixed to 64 bits the same way in every process
+(runtime/core/kv_events.hpp, ``external_hash``).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import numpy as np
+
+from .pages import DISK, GPU, HOST
+
+if TYPE_CHECKING:
+    from tiers.config import EventsConfig
+    from .store import Store
+
+log = logging.getLogger("kvtier")
+
+EVENT = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("token_at", "<i4"), ("kind", "u1"), ("tier", "i1"),
+                  ("lc", "u1"), ("has_parent", "u1")])
+assert EVENT.itemsize == 24                 # kv_events.hpp's KvEvent
+STORED, REMOVED = 0, 1
+REMOTE = 3
+MEDIUM = {GPU: "GPU", HOST: "CPU_PINNED", DISK: "DISK", REMOTE: "EXTERNAL"}
+FLUSH_ENTRIES = 4096                        # entries turned into events per loop turn
+
+
+def default_topic(worker_id: str | None, model: str) -> str:
+    return f"kv@{worker_id or f'{socket.gethostname()}-{os.getpid()}'}@{model}"
+
+
+def _spec_kind(lc) -> tuple[str, int | None]:
+    if lc.kind == "ssm":
+        return "mamba", None
+    if lc.window_tokens:
+        return "sliding_window", int(lc.window_tokens)
+    return "full_attention", None
+
+
+class KvEvents:
+    """The store's event stream: drains the core's log into batches (see the
+    module docstring) for the publisher and for ``take``/``batches`` readers."""
+
+    def __init__(self, store: "Store", cfg: "EventsConfig") -> None:
+        self.store, self.cfg = store, cfg
+        self.tpb = store.tpb
+        self.specs = [_spec_kind(lc) for lc in store.lcs]
+        self.publisher = None
+        # Python readers: buffered from the start when there is no ZMQ endpoint, else from the first read
+        self.local: collections.deque | None = \
+            collections.deque() if cfg.endpoint is None else None
+        self.wakeup: asyncio.Event | None = None
+        self.pending: list[Any] = []        # events not yet in a batch, in order
+        self.backlog: collections.deque = collections.deque()   # (entries, tokens, next entry) drained from the core
+        self.n_batches = 0
+        self.n_events = 0
+        self.local_dropped = 0
+        self._flusher: asyncio.Task | None = None
+
+    # -- life -----------------------------------------------------------------------
+    def open(self) -> None:
+        """Bind the sockets (before the store builds anything: a bad endpoint fails the start)."""
+        if self.cfg.endpoint is not None:
+            from .zmq_publisher import ZmqEventPublisher
+            c = self.cfg
+            self.publisher = ZmqEventPublisher(
+                c.endpoint, replay_endpoint=c.replay_endpoint,
+                topic=c.topic or default_topic(c.worker_id, c.model),
+                buffer_batches=c.buffer_batches, queue_batches=c.buffer_batches)
+
+    def start(self) -> None:
+        """The store's contents start empty: AllBlocksCleared, before recovery's BlockStored."""
+        self.store.core.set_kv_events(True)
+        self.pending.append(self._cleared())
+
+    def run(self) -> None:
+        self.flush()
+        self._flusher = asyncio.ensure_future(self._flush_loop())
+
+    async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.wait([self._flusher])
+            self._flusher = None
+        if self.store.core is not None:
+            self.flush()
+
+    def close(self) -> None:
+        """Blocking: flush the publisher's queue and close its sockets (run off the loop)."""
+        if self.publisher is not None:
+            self.publisher.close()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.flush_interval)
+            try:
+                self._drain_core()
+                while self._step():
+                    await asyncio.sleep(0)      # a large backlog (a recovery) goes a chunk per loop turn
+            except Exception:       # noqa: BLE001 - the stream must outlive a bad batch
+                log.exception("kv events: flush failed")
+
+    # -- the log into batches -----------------------------------------------------------
+    def flush(self) -> None:
+        """Everything the core logged so far becomes batches, now."""
+        self._drain_core()
+        while self._step():
+            pass
+
+    def _drain_core(self) -> None:
+        core = self.store.core
+        if core.kv_event_count():
+            raw, toks = core.take_kv_events()
+            self.backlog.append((np.frombuffer(raw, dtype=EVENT), np.frombuffer(toks, dtype=np.int32), 0))
+
+    def _step(self) -> bool:
+        """One batch of at most ``FLUSH_ENTRIES`` entries; True while more remain."""
+        if self.backlog:
+            ev, tokens, at = self.backlog[0]
+            self.pending.extend(self._events(ev[at:at + FLUSH_ENTRIES], tokens))
+            if at + FLUSH_ENTRIES >= len(ev):
+                self.backlog.popleft()
+            else:
+                self.backlog[0] = (ev, tokens, at + FLUSH_ENTRIES)
+        self._emit()
+        return bool(self.backlog)
+
+    def _emit(self) -> None:
+        if not self.pending:
+            return
+        events, self.pending = self.pending, []
+        batch = [time.time(), events, self.cfg.data_parallel_rank]
+        self.n_batches += 1
+        self.n_events += len(events)
+        if self.publisher is not None:
+            self.publisher.publish(batch)
+        if self.local is not None:
+            if len(self.local) >= self.cfg.buffer_batches:
+                self.local.popleft()
+                self.local_dropped += 1
+            self.local.append(batch)
+            if self.wakeup is not None:
+                self.wakeup.set()
+
+    def _events(self, ev: np.ndarray, tokens: np.ndarray) -> list:
+        """Runs of entries of one kind, tier and life cycle (and, for STORED, one chain
+        with tokens known throughout or nowhere) become one event each."""
+        n = len(ev)
+        kind, tier, lc, tok = ev["kind"], ev["tier"], ev["lc"], ev["token_at"]
+        hashes, parents = ev["hash"], ev["parent"]
+        brk = np.ones(n, dtype=bool)
+        same = (kind[1:] == kind[:-1]) & (tier[1:] == tier[:-1]) & (lc[1:] == lc[:-1])
+        chain = (ev["has_parent"][1:] == 1) & (parents[1:] == hashes[:-1]) & ((tok[1:] >= 0) == (tok[:-1] >= 0))
+        brk[1:] = ~(same & ((kind[1:] == REMOVED) | chain))
+        starts = np.flatnonzero(brk).tolist()
+        ends = starts[1:] + [n]
+        hl = hashes.tolist()
+        kinds, tiers, lcs, toks = kind.tolist(), tier.tolist(), lc.tolist(), tok.tolist()
+        first_parent = [int(parents[a]) if ev["has_parent"][a] else None for a in starts]
+        out = []
+        positional = self.cfg.positional
+        for a, b, parent in zip(starts, ends, first_parent):
+            medium, group = MEDIUM[tiers[a]], lcs[a]
+            if kinds[a] == REMOVED:
+                out.append(["BlockRemoved", hl[a:b], medium] if positional else
+                           {"type": "BlockRemoved", "block_hashes": hl[a:b], "medium": medium, "group_idx": group})
+                continue
+            t0 = toks[a]
+            token_ids = tokens[t0:toks[b - 1] + self.tpb].tolist() if t0 >= 0 else []
+            if positional:
+                out.append(["BlockStored", hl[a:b], parent, token_ids, self.tpb, None, medium])
+                continue
+            spec, window = self.specs[group]
+            e = {"type": "BlockStored", "block_hashes": hl[a:b], "parent_block_hash": parent,
+                 "token_ids": token_ids, "block_size": self.tpb, "lora_id": None, "medium": medium,
+                 "lora_name": None, "group_idx": group, "kv_cache_spec_kind": spec}
+            if window is not None:
+                e["kv_cache_spec_sliding_window"] = window
+            out.append(e)
+        return out
+
+    def _cleared(self) -> Any:
+        return ["AllBlocksCleared"] if self.cfg.positional else {"type": "AllBlocksCleared"}
+
+    def tokens(self, sid: int, first: int, tokens: np.ndarray) -> None:
+        """The tokens of a sequence's key positions from ``first`` on, for its BlockStored
+        events; ids beyond int32 are not kept (those events carry no tokens)."""
+        if not len(tokens):
+            return
+        if int(tokens.min()) < -(1 << 31) or int(tokens.max()) >= 1 << 31:
+            return
+        self.store.core.set_tokens(sid, first, np.ascontiguousarray(tokens, dtype=np.int32), self.tpb)
+
+    # -- readers ------------------------------------------------------------------------
+    def take(self) -> list[list]:
+        """Every batch buffered for Python readers since the last take (oldest first)."""
+        self.flush()
+        if self.local is None:
+            self.local = collections.deque()
+            return []
+        out = list(self.local)
+        self.local.clear()
+        return out
+
+    async def batches(self) -> AsyncIterator[list]:
+        """Batches as they are made, until the store closes."""
+        if self.local is None:
+            self.local = collections.deque()
+        if self.wakeup is None:
+            self.wakeup = asyncio.Event()
+        while True:
+            self.flush()
+            while self.local:
+                yield self.local.popleft()
+            if self.store.closed:
+                return
+            self.wakeup.clear()
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), timeout=max(self.cfg.flush_interval, 0.05))
+            except asyncio.TimeoutError:
+                pass
+
+    def holdings(self) -> set[tuple[int, str, int]]:
+        """(block hash, medium, group_idx) of every page the tiers hold now, as the
+        events describe them (tests check the events against it)."""
+        h, t, g = self.store.core.published_hashes()
+        return set(zip(np.frombuffer(h, np.uint64).tolist(), (MEDIUM[x] for x in np.frombuffer(t, np.int8).tolist()),
+                       np.frombuffer(g, np.uint8).tolist()))
+
+    def stats(self) -> dict:
+        pub = self.publisher.stats() if self.publisher is not None else {}
+        return {"batches": self.n_batches, "events": self.n_events,
+                "published": pub.get("published", 0),
+                "dropped": pub.get("dropped", 0) + self.local_dropped,
+                "buffered": len(self.local) if self.local is not None else 0,
+                "endpoint": self.publisher.endpoint if self.publisher is not None else None,
+                "replay_endpoint": self.publisher.replay_endpoint if self.publisher is not None else None}

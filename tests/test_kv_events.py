@@ -1,0 +1,272 @@
+"""KV events (issue 14): an index built from the events alone equals what the
+store's tiers hold, through moves, drops, corruption, restarts and wipes; the
+payload is vLLM's layout exactly."""
+from __future__ import annotations
+
+import os
+import random
+
+import msgpack
+import numpy as np
+import pytest
+
+from runtime import EventsConfig, Store
+from runtime.core import Core
+from runtime.events import default_topic
+from tiers.errors import ConfigError, UsageError
+
+from helpers import config, fill, prefill_keys, two_life_cycles
+
+STORED_FIELDS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "group_idx", "kv_cache_spec_kind"]
+
+
+class RouterIndex:
+    """What a KV-aware router keeps: (block hash, medium, group) from the events alone."""
+
+    def __init__(self) -> None:
+        self.held: set[tuple[int, str, int]] = set()
+        self.batches = 0
+
+    def apply(self, batch: list) -> None:
+        ts, events, rank = batch
+        assert isinstance(ts, float) and rank == 0
+        self.batches += 1
+        for e in events:
+            if e["type"] == "AllBlocksCleared":
+                assert list(e) == ["type"]
+                self.held.clear()
+            elif e["type"] == "BlockStored":
+                fields = list(e)
+                assert fields[:len(STORED_FIELDS)] == STORED_FIELDS
+                assert fields[len(STORED_FIELDS):] in ([], ["kv_cache_spec_sliding_window"])
+                n, bs = len(e["block_hashes"]), e["block_size"]
+                assert n and len(e["token_ids"]) in (0, n * bs)
+                assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in e["block_hashes"])
+                assert e["lora_id"] is None and e["lora_name"] is None
+                self.held.update((h, e["medium"], e["group_idx"]) for h in e["block_hashes"])
+            else:
+                assert e["type"] == "BlockRemoved" and list(e) == ["type", "block_hashes", "medium", "group_idx"]
+                for h in e["block_hashes"]:
+                    assert (h, e["medium"], e["group_idx"]) in self.held, "removed a block it never stored"
+                    self.held.discard((h, e["medium"], e["group_idx"]))
+
+    def feed(self, store: Store) -> None:
+        for b in store.take_events():
+            self.apply(msgpack.unpackb(msgpack.packb(b)))
+
+
+def workload(seed: int, n: int, width: int = 6) -> list[list[int]]:
+    """Requests as walks over a small key tree: shared prefixes, as in a trace."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        depth = rng.randint(1, 8)
+        reqs.append([1 + rng.randrange(width) * 1000 + d * 10 + rng.randrange(2 if d else 1) for d in range(depth)])
+    return reqs
+
+
+def chain_keys(path: list[int]) -> list[int]:
+    out, acc = [], 0
+    for k in path:
+        acc = acc * 31 + k
+        out.append(acc % (1 << 60) + 1)
+    return out
+
+
+def events_cfg(tmp_path, **kw):
+    return config(gpu=12, host=24, disk=48, disk_dir=tmp_path, events=EventsConfig(), **kw)
+
+
+async def run_workload(store: Store, index: RouterIndex, seed: int, n: int = 120) -> None:
+    for i, path in enumerate(workload(seed, n)):
+        if i % 3 == 0:          # tokens: BlockStored carries them
+            await fill(store, [t for k in path for t in (k, k + 1, k + 2, k + 3)])
+        else:
+            await prefill_keys(store, chain_keys(path))
+        if i % 17 == 0:
+            await store.drain()
+            index.feed(store)
+
+
+async def test_an_index_built_from_events_equals_every_tier(tmp_path):
+    index = RouterIndex()
+    async with Store.open(events_cfg(tmp_path)) as store:
+        await run_workload(store, index, seed=1)
+        await store.drain()
+        index.feed(store)
+        held = store.kv_events.holdings()
+        assert index.held == held
+        media = {m for _, m, _ in held}
+        assert media == {"GPU", "CPU_PINNED", "DISK"}       # every tier took part
+        st = store.stats()
+        assert st["drops"] > 0 and st["events"]["dropped"] == 0
+
+
+async def test_tokens_travel_with_their_blocks_between_tiers(tmp_path):
+    """A block written with tokens= keeps them in every later BlockStored (host, disk)."""
+    cfg = config(gpu=4, host=4, disk=16, disk_dir=tmp_path, events=EventsConfig())
+    async with Store.open(cfg) as store:
+        toks = list(range(100, 116))                        # 4 blocks of 4
+        await fill(store, toks)
+        for r in range(1, 6):                                # push it down to disk
+            await fill(store, list(range(1000 * r, 1000 * r + 16)))
+        await store.drain()
+        seen: dict[str, list[int]] = {}
+        for _, events, _ in store.take_events():
+            for e in events:
+                if e["type"] == "BlockStored" and e["token_ids"][:4] == [100, 101, 102, 103]:
+                    seen.setdefault(e["medium"], e["token_ids"])
+        assert set(seen) >= {"GPU", "CPU_PINNED", "DISK"}
+        assert all(t == toks[:len(t)] for t in seen.values())
+
+
+async def test_restart_and_wipe_clear_then_restate(tmp_path):
+    index = RouterIndex()
+    async with Store.open(events_cfg(tmp_path)) as store:
+        await run_workload(store, index, seed=2, n=60)
+    async with Store.open(events_cfg(tmp_path)) as store:
+        batches = store.take_events()
+        assert batches[0][1][0] == {"type": "AllBlocksCleared"}
+        for b in batches:
+            index.apply(b)
+        assert index.held == store.kv_events.holdings() and index.held
+        assert {m for _, m, _ in index.held} == {"DISK"}
+        stored = [e for b in batches for e in b[1] if e["type"] == "BlockStored"]
+        assert all(e["token_ids"] == [] for e in stored)     # the journal keeps keys, not tokens
+        await run_workload(store, index, seed=3, n=30)
+        await store.drain()
+        index.feed(store)
+        assert index.held == store.kv_events.holdings()
+    # another layout over the same directory, wiped: the router is told to forget everything
+    wiped = config(gpu=12, host=24, disk=48, disk_dir=tmp_path, events=EventsConfig(), tpb=8)
+    wiped.disk.on_mismatch = "wipe"
+    async with Store.open(wiped) as store:
+        index.feed(store)
+        assert index.held == set() == store.kv_events.holdings()
+
+
+async def test_corrupt_pages_and_drops_are_removed(tmp_path):
+    index = RouterIndex()
+    async with Store.open(events_cfg(tmp_path)) as store:
+        await run_workload(store, index, seed=4, n=80)
+        await store.drain()
+        index.feed(store)
+        # a dropped root page takes its prefix-critical subtree with it
+        roots = [k[0] for k in map(chain_keys, workload(4, 80)) if len(k) > 2 and k[2] in store.nodes]
+        before = len(index.held)
+        store._drop(store.nodes[roots[0]].pages[0])
+        index.feed(store)
+        assert len(index.held) < before - 1 and index.held == store.kv_events.holdings()
+        # flip bytes of every disk segment page, then read them all back
+        seg = os.path.join(tmp_path, "group-0.seg")
+        data = bytearray(open(seg, "rb").read())
+        for off in range(17, len(data), 512):
+            data[off] ^= 0xFF
+        open(seg, "wb").write(bytes(data))
+        for path in workload(4, 80)[:40]:
+            await prefill_keys(store, chain_keys(path))
+        await store.drain()
+        index.feed(store)
+        assert store.stats()["corrupt_pages"] > 0
+        assert index.held == store.kv_events.holdings()
+
+
+async def test_two_life_cycles_name_their_groups_and_window(tmp_path):
+    cfg = config(gpu=16, host=16, layers=two_life_cycles(), events=EventsConfig())
+    async with Store.open(cfg) as store:
+        index = RouterIndex()
+        await run_workload(store, index, seed=5, n=40)
+        await store.drain()
+        batches = store.take_events()
+        for b in batches:
+            index.apply(b)
+        assert index.held == store.kv_events.holdings()
+        specs = {(e["group_idx"], e["kv_cache_spec_kind"], e.get("kv_cache_spec_sliding_window"))
+                 for b in batches for e in b[1] if e["type"] == "BlockStored"}
+        assert specs == {(0, "full_attention", None), (1, "sliding_window", 8)}
+
+
+async def test_positional_layout_for_older_consumers():
+    cfg = config(gpu=8, events=EventsConfig(positional=True))
+    async with Store.open(cfg) as store:
+        await fill(store, list(range(8)))
+        batches = msgpack.unpackb(msgpack.packb(store.take_events()))
+    events = [e for b in batches for e in b[1]]
+    assert events[0] == ["AllBlocksCleared"]
+    tag, hashes, parent, token_ids, block_size, lora_id, medium = events[1]
+    assert (tag, parent, token_ids, block_size, lora_id, medium) == ("BlockStored", None, list(range(8)), 4, None, "GPU")
+    assert len(hashes) == 2
+
+
+async def test_int_block_keys_are_their_own_hashes():
+    """A caller passing its engine's block hashes as block_keys sees them unchanged in events."""
+    cfg = config(gpu=8, events=EventsConfig())
+    async with Store.open(cfg) as store:
+        await prefill_keys(store, [7, (1 << 64) - 1, 12345])
+        await prefill_keys(store, [-5, 1 << 70])
+        (_, events, _), = [b for b in store.take_events() if b[1][0]["type"] != "AllBlocksCleared"]
+    first, second = [e for e in events if e["type"] == "BlockStored"]
+    assert first["block_hashes"] == [7, (1 << 64) - 1, 12345] and first["parent_block_hash"] is None
+    assert all(0 <= h < 1 << 64 for h in second["block_hashes"])
+    assert second["block_hashes"][0] not in (7, 2**64 - 5)
+
+
+async def test_off_by_default_and_typed_errors(tmp_path):
+    async with Store.open(config(gpu=8)) as store:
+        assert "events" not in store.stats()
+        with pytest.raises(UsageError, match="KV events are off"):
+            store.take_events()
+    with pytest.raises(ConfigError, match="events.buffer_batches"):
+        config(gpu=8, events=EventsConfig(buffer_batches=0))
+    with pytest.raises(ConfigError, match="events.replay_endpoint"):
+        config(gpu=8, events=EventsConfig(replay_endpoint="tcp://127.0.0.1:*"))
+    assert default_topic("w1", "m") == "kv@w1@m"
+
+
+async def test_async_iterator_sees_batches_as_they_are_made():
+    cfg = config(gpu=8, events=EventsConfig(flush_interval=0.001))
+    async with Store.open(cfg) as store:
+        it = store.event_batches().__aiter__()
+        first = await it.__anext__()
+        assert first[1] == [{"type": "AllBlocksCleared"}]
+        await fill(store, list(range(8)))
+        nxt = await it.__anext__()
+        assert nxt[1][0]["type"] == "BlockStored"
+
+
+async def test_a_reader_that_never_reads_keeps_memory_bounded():
+    cfg = config(gpu=8, host=8, events=EventsConfig(buffer_batches=3, flush_interval=0.001))
+    async with Store.open(cfg) as store:
+        for r in range(30):
+            await fill(store, list(range(r * 100, r * 100 + 8)))
+            store.kv_events.flush()
+        st = store.stats()["events"]
+        assert st["buffered"] == 3 and st["dropped"] == st["batches"] - 3 > 0
+
+
+def test_external_hash_is_stable():
+    """The rule in kv_events.hpp, pinned: routers in other processes must agree."""
+    c = Core(4, [(False, 0, 0, 0)], [[0], [-1], [-1]], [[8], [], []])
+    c.set_kv_events(True)
+    ev = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("token_at", "<i4"), ("kind", "u1"), ("tier", "i1"),
+                   ("lc", "u1"), ("has_parent", "u1")])
+
+    def hashes(keys):
+        sid, _, _ = c.open(keys, 35)
+        c.extend_now(sid, len(keys))
+        assert c.commit(sid, len(keys)) == -1
+        c.close(sid)
+        out = np.frombuffer(c.take_kv_events()[0], dtype=ev)
+        assert out["has_parent"].tolist() == [0] + [1] * (len(keys) - 1)
+        assert out["parent"][1:].tolist() == out["hash"][:-1].tolist()
+        return out["hash"].tolist()
+
+    def mix(lo: int, hi: int, tag: int) -> int:
+        m = (1 << 64) - 1
+        x = lo ^ ((hi * 0x9E3779B97F4A7C15) & m) ^ (tag << 56) ^ 0xD6E8FEB86659FD93
+        x ^= x >> 30; x = (x * 0xBF58476D1CE4E5B9) & m
+        x ^= x >> 27; x = (x * 0x94D049BB133111EB) & m
+        return x ^ (x >> 31)
+    assert hashes([5, 1 << 80]) == [5, mix(0, 1 << 16, 0)]
+    assert hashes([b"abc"]) == [mix(int.from_bytes(b"abc".ljust(8, b"\0"), "little"), 0, 3)]
