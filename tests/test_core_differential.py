@@ -142,6 +142,8 @@ QUERIES = {"free", "capacity", "used", "is_free", "queue_len", "n_groups", "coun
            "tier_pages"}
 
 
+KV_EVENT = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("token_at", "<i4"), ("kind", "u1"), ("tier", "i1"),
+                     ("lc", "u1"), ("has_parent", "u1")])
 CALLS: collections.Counter = collections.Counter()     # calls made, by name and outcome (coverage at a glance)
 
 
@@ -149,6 +151,8 @@ class Pair:
     def __init__(self, tpb: int, lcs: list, group_of: list, capacity: list) -> None:
         self.config = (tpb, lcs, group_of, capacity)
         self.core = Core(tpb, lcs, group_of, capacity)
+        self.core.set_kv_events(True)
+        self.held: set[tuple[int, int, int]] = set()    # (hash, tier, lc) as a router learns it from KV events
         self.model = ModelCore(tpb, lcs, group_of, capacity)
         self.groups = [len(row) for row in capacity]
         self.calls = 0
@@ -180,7 +184,24 @@ class Pair:
             raise AssertionError(f"{self.where()}: {e}") from None
         if name not in QUERIES:
             self.compare_light()
+            self.check_kv_events()
         return out
+
+    def check_kv_events(self) -> None:
+        """The core's KV events, applied in order, give exactly the pages it publishes per tier."""
+        ev = np.frombuffer(self.core.take_kv_events()[0], dtype=KV_EVENT)
+        for h, kind, tier, lc in zip(ev["hash"].tolist(), ev["kind"].tolist(), ev["tier"].tolist(), ev["lc"].tolist()):
+            entry = (h, tier, lc)
+            if kind == 0:
+                assert entry not in self.held, f"{self.where()}: stored twice: {entry}"
+                self.held.add(entry)
+            else:
+                assert entry in self.held, f"{self.where()}: removed, never stored: {entry}"
+                self.held.discard(entry)
+        h, t, l = self.core.published_hashes()
+        truth = set(zip(np.frombuffer(h, np.uint64).tolist(), np.frombuffer(t, np.int8).tolist(),
+                        np.frombuffer(l, np.uint8).tolist()))
+        assert self.held == truth, f"{self.where()}: events say {sorted(self.held ^ truth)} wrongly"
 
     def where(self) -> str:
         """The last calls (the failing one last), for a failure's message."""
