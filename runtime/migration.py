@@ -13,6 +13,7 @@ this module only moves bytes and counts them.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
@@ -35,6 +36,40 @@ from .stats import MoveStats
 INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
+# upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
+MOVE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                        1.0, 2.5, 5.0, 10.0)
+_DIRECTION = tuple(tuple(f"{a}->{b}" for b in TIER_NAMES) for a in TIER_NAMES)   # [src][dst] -> "gpu->host"
+
+
+class MoveLatency:
+    """Wall time of each batch that landed, per direction (``"gpu->host"``),
+    from the engine taking it to its last stage's event (waits on earlier
+    copies included), in the fixed buckets ``bounds``: ``counts[d][i]`` is
+    the number of batches with ``bounds[i-1] < seconds <= bounds[i]``, the
+    last entry those above every bound; ``sums[d]`` their total seconds.
+
+    Plain ints and floats, updated once per batch on the loop. A metrics
+    scrape may read them from another thread: ``snapshot()`` copies each
+    list in one step (atomic under the GIL)."""
+
+    __slots__ = ("bounds", "counts", "sums")
+
+    def __init__(self, bounds: Sequence[float] = MOVE_LATENCY_BUCKETS) -> None:
+        self.bounds = tuple(bounds)
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def record(self, direction: str, seconds: float) -> None:
+        c = self.counts.get(direction)
+        if c is None:
+            c = self.counts[direction] = [0] * (len(self.bounds) + 1)
+        c[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sums[direction] = self.sums.get(direction, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, tuple[list[int], float]]:
+        """direction -> (per-bucket counts, not cumulative; total seconds)."""
+        return {d: (list(c), self.sums.get(d, 0.0)) for d, c in list(self.counts.items())}
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,7 +163,7 @@ def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, ds
 
 class MigrationEngine:
     __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
-                 "io_read", "stats", "fault")
+                 "io_read", "stats", "latency", "fault")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
                  cold_bytes: Sequence[int]) -> None:
@@ -144,6 +179,7 @@ class MigrationEngine:
         self.io_write = HostStream("kvtier-disk-write")
         self.io_read = HostStream("kvtier-disk-read")
         self.stats = MoveStats()
+        self.latency = MoveLatency()         # per-batch wall time by direction, for metrics
         self.staging = StagingPool(lambda n: device.host_empty(1, n, zero=False).view(-1), STAGING_IDLE_BYTES)
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
@@ -175,6 +211,7 @@ class MigrationEngine:
         """Move ``batch`` into ``dst_slots`` (ascending). ``fences`` are the
         events a writer of the destination slots must wait for. Returns the
         batch's event."""
+        t_start = time.perf_counter()
         src_tier, src_group, src_slots, lcs = batch.src_tier, batch.src_group, batch.src_slots, batch.lcs
         n_pages = len(src_slots)
         deps = set(batch.deps)
@@ -249,6 +286,7 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
         self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
+        self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
 
     async def _stage(self, busy: list[float], stream, job: Callable[[], None],
