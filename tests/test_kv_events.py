@@ -78,13 +78,13 @@ def events_cfg(tmp_path, **kw):
     return config(gpu=12, host=24, disk=48, disk_dir=tmp_path, events=EventsConfig(), **kw)
 
 
-async def run_workload(store: Store, index: RouterIndex, seed: int, n: int = 120) -> None:
+async def run_workload(store: Store, index: RouterIndex | None, seed: int, n: int = 120) -> None:
     for i, path in enumerate(workload(seed, n)):
         if i % 3 == 0:          # tokens: BlockStored carries them
             await fill(store, [t for k in path for t in (k, k + 1, k + 2, k + 3)])
         else:
             await prefill_keys(store, chain_keys(path))
-        if i % 17 == 0:
+        if index is not None and i % 17 == 0:
             await store.drain()
             index.feed(store)
 
@@ -270,3 +270,180 @@ def test_external_hash_is_stable():
         return x ^ (x >> 31)
     assert hashes([5, 1 << 80]) == [5, mix(0, 1 << 16, 0)]
     assert hashes([b"abc"]) == [mix(int.from_bytes(b"abc".ljust(8, b"\0"), "little"), 0, 3)]
+
+
+# ---- over ZMQ, as a router receives them --------------------------------------------------------------
+
+zmq = pytest.importorskip("zmq")
+
+
+def _subscriber(ctx, endpoint: str, topic: bytes = b""):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    return sub
+
+
+def _drain_sub(sub, index: RouterIndex, seqs: list[int], quiet_ms: int = 300) -> None:
+    """Apply live batches after those already applied (a router skips what replay gave it)."""
+    while sub.poll(quiet_ms):
+        topic, seq, payload = sub.recv_multipart()
+        n = int.from_bytes(seq, "big")
+        if seqs and n <= seqs[-1]:
+            continue
+        assert not seqs or n == seqs[-1] + 1, f"a gap: {seqs[-1]} then {n}"
+        seqs.append(n)
+        index.apply(msgpack.unpackb(payload))
+
+
+def _replay_from(ctx, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while dealer.poll(5000):
+            _, seq, payload = dealer.recv_multipart()
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                assert payload == b""
+                return out
+            out.append((n, payload))
+        raise AssertionError("no end marker from the replay socket")
+    finally:
+        dealer.close(linger=0)
+
+
+async def test_a_zmq_subscriber_and_a_late_joiner_reach_the_store_s_index(tmp_path):
+    """A live SUB client and one that joins late and catches up through the replay
+    socket both end with exactly what the tiers hold."""
+    import asyncio
+    ev = EventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", worker_id="w7",
+                      model="m", flush_interval=0.001)
+    ctx = zmq.Context.instance()
+    async with Store.open(config(gpu=12, host=24, disk=48, disk_dir=tmp_path, events=ev)) as store:
+        st = store.stats()["events"]
+        assert st["endpoint"].startswith("tcp://127.0.0.1:") and not st["endpoint"].endswith("*")
+        live = _subscriber(ctx, st["endpoint"], b"kv@w7@m")
+        await asyncio.sleep(0.3)            # the subscription reaches the PUB socket (slow joiner)
+        try:
+            # seq 0 (AllBlocksCleared) went out before anyone listened: the live client catches up too
+            live_index, seqs = RouterIndex(), []
+            for n, payload in _replay_from(ctx, st["replay_endpoint"], 0):
+                seqs.append(n)
+                live_index.apply(msgpack.unpackb(payload))
+            await run_workload(store, None, seed=6, n=80)
+            await store.drain()
+            store.kv_events.flush()
+            await asyncio.sleep(0.05)
+            replayed = len(seqs)
+            _drain_sub(live, live_index, seqs)
+            assert seqs == list(range(len(seqs))) and len(seqs) > replayed + 10     # replay, then live, no gap
+            assert live_index.held == store.kv_events.holdings()
+            late = RouterIndex()
+            for n, payload in _replay_from(ctx, st["replay_endpoint"], 0):
+                late.apply(msgpack.unpackb(payload))
+            assert late.held == store.kv_events.holdings() and late.held
+            assert store.stats()["events"]["dropped"] == 0
+        finally:
+            live.close(linger=0)
+
+
+async def test_a_stalled_subscriber_costs_nothing_but_dropped_batches(tmp_path):
+    """A subscriber that never reads: the store goes on, Python memory stays within
+    the configured buffers, and what the publisher could not queue is counted."""
+    ev = EventsConfig(endpoint="tcp://127.0.0.1:*", buffer_batches=4, flush_interval=0.001)
+    ctx = zmq.Context.instance()
+    async with Store.open(config(gpu=12, host=24, events=ev)) as store:
+        stalled = ctx.socket(zmq.SUB)
+        stalled.setsockopt(zmq.RCVHWM, 1)
+        stalled.setsockopt(zmq.RCVBUF, 1024)
+        stalled.setsockopt(zmq.SUBSCRIBE, b"")
+        stalled.connect(store.stats()["events"]["endpoint"])
+        try:
+            for i, path in enumerate(workload(7, 300)):
+                await prefill_keys(store, chain_keys(path))
+                store.kv_events.flush()            # a batch per request: far more than the buffers
+                pub = store.kv_events.publisher.stats()
+                assert pub["queued"] <= 4 and pub["buffered"] <= 4
+            st = store.stats()["events"]
+            assert st["batches"] > 300
+            assert st["published"] + st["dropped"] <= st["batches"]
+        finally:
+            stalled.close(linger=0)
+
+
+# ---- the native encoder against a Python reference -----------------------------------------------------
+
+def reference_events(raw: bytes, tokens: bytes, tpb: int, specs: list, positional: bool) -> list:
+    """The events kv_event_codec.hpp must produce from these log entries, built in Python."""
+    from runtime.events import EVENT, MEDIUM
+    ev = np.frombuffer(raw, dtype=EVENT)
+    toks = np.frombuffer(tokens, dtype=np.int32).tolist()
+    out, a = [], 0
+    while a < len(ev):
+        b = a + 1
+        while b < len(ev) and (ev["kind"][b], ev["tier"][b], ev["lc"][b]) == (ev["kind"][a], ev["tier"][a], ev["lc"][a]) \
+                and (ev["kind"][a] == 1 or (ev["has_parent"][b] and ev["parent"][b] == ev["hash"][b - 1]
+                                            and (ev["token_at"][b] >= 0) == (ev["token_at"][a] >= 0))):
+            b += 1
+        hashes, medium, lc = ev["hash"][a:b].tolist(), MEDIUM[int(ev["tier"][a])], int(ev["lc"][a])
+        if ev["kind"][a] == 1:
+            out.append(["BlockRemoved", hashes, medium] if positional else
+                       {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": lc})
+        else:
+            parent = int(ev["parent"][a]) if ev["has_parent"][a] else None
+            t0 = int(ev["token_at"][a])
+            token_ids = toks[t0:t0 + (b - a) * tpb] if t0 >= 0 else []
+            if positional:
+                out.append(["BlockStored", hashes, parent, token_ids, tpb, None, medium])
+            else:
+                e = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                     "token_ids": token_ids, "block_size": tpb, "lora_id": None, "medium": medium,
+                     "lora_name": None, "group_idx": lc, "kv_cache_spec_kind": specs[lc][0]}
+                if specs[lc][1] is not None:
+                    e["kv_cache_spec_sliding_window"] = specs[lc][1]
+                out.append(e)
+        a = b
+    return out
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_the_native_encoder_matches_the_python_reference_byte_for_byte(positional):
+    """Two cores driven alike: one's raw log through the Python reference, the other's
+    native payload; equal events, and bytes exactly as msgpack-python packs them."""
+    specs = [("full_attention", None), ("sliding_window", 8)]
+    rng = random.Random(3)
+    cores = []
+    for _ in range(2):
+        c = Core(4, [(False, 0, 0, 0), (False, 8, 4, 1)], [[0, 0], [-1, -1], [-1, -1]], [[1000], [], []])
+        c.set_kv_event_format(4, positional, ["GPU", "CPU_PINNED", "DISK", "EXTERNAL"],
+                              [k for k, _ in specs], [-1 if w is None else w for _, w in specs])
+        c.set_kv_events(True)
+        cores.append(c)
+    ops = []
+    for i in range(60):
+        path = [rng.choice([1, 2, 3]) * 10 + d for d in range(rng.randint(1, 6))]
+        tokens = np.array([rng.choice([0, 5, 127, 128, 255, 65536, -1, -40, -200, 1 << 30, -(1 << 31)])
+                           for _ in range(4 * len(path))], dtype=np.int32)
+        ops.append((chain_keys(path) if i % 4 else [k << 64 for k in chain_keys(path)], tokens))
+    for c in cores:
+        for i, (keys, tokens) in enumerate(ops):
+            sid, matched, _ = c.open(keys, 35)
+            c.set_tokens(sid, 0, tokens, 4)
+            assert c.extend_now(sid, len(keys) - c.num_blocks(sid)) is not None
+            assert c.commit(sid, len(keys)) == -1
+            c.close(sid)
+            if i % 7 == 6:                      # a drop: removals (a subtree's, when it is the full lc's page)
+                found = c.find(keys[len(keys) // 2])
+                if found is not None:
+                    c.drop_page(found[2][i % 2])
+    raw, toks = cores[0].take_kv_events()
+    want = reference_events(raw, toks, 4, specs, positional)
+    n, body = cores[1].take_kv_event_payload(1 << 20)
+    got = msgpack.Unpacker()
+    got.feed(body)
+    got = list(got)
+    assert n == len(got) == len(want) and got == want
+    assert b"".join(msgpack.packb(e) for e in got) == body
+    assert any(e[0] == "BlockRemoved" if positional else e["type"] == "BlockRemoved" for e in got)

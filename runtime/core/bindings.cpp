@@ -400,15 +400,41 @@ NB_MODULE(_core, m) {
              c.set_tokens(s, first, tokens.data(), int32_t(tokens.shape(0) / size_t(tpb)));
            }, "seq"_a, "first"_a, "tokens"_a.noconvert(), "tokens_per_block"_a)
       .def("take_kv_events", [](Core& c) {
-             // (entries as bytes of KvEvent, tokens as bytes of int32); the log is emptied
+             // (pending entries as bytes of KvEvent, tokens as bytes of int32): tests and tools
              kvtier::KvEventLog& log = c.kv_events();
-             nb::bytes ev(reinterpret_cast<const char*>(log.events.data()), log.events.size() * sizeof(kvtier::KvEvent));
+             nb::bytes ev(reinterpret_cast<const char*>(log.events.data() + log.head),
+                          log.pending() * sizeof(kvtier::KvEvent));
              nb::bytes tok(reinterpret_cast<const char*>(log.tokens.data()), log.tokens.size() * sizeof(int32_t));
-             log.events.clear();
-             log.tokens.clear();
+             log.consumed(log.pending());
              return nb::make_tuple(ev, tok);
            })
-      .def("kv_event_count", [](Core& c) { return c.kv_events().events.size(); })
+      .def("set_kv_event_format", [](Core& c, int32_t tpb, bool positional, std::vector<std::string> medium,
+                                     std::vector<std::string> spec_kind, std::vector<int64_t> window) {
+             if (int(spec_kind.size()) != c.n_lcs() || int(window.size()) != c.n_lcs() || medium.size() < 3)
+               throw nb::value_error("set_kv_event_format: one spec kind and window per life cycle, a medium per tier");
+             for (auto& m : medium) if (m.size() > 255) throw nb::value_error("set_kv_event_format: a name too long");
+             for (auto& k : spec_kind) if (k.size() > 255) throw nb::value_error("set_kv_event_format: a name too long");
+             kvtier::KvEventFormat& f = c.kv_event_format();
+             f.tpb = tpb;
+             f.positional = positional;
+             f.medium = std::move(medium);
+             f.spec_kind = std::move(spec_kind);
+             f.window = std::move(window);
+           }, "tokens_per_block"_a, "positional"_a, "medium"_a, "spec_kind"_a, "window"_a)
+      .def("take_kv_event_payload", [](Core& c, size_t max_entries) {
+             // (events, msgpack bytes of that many events back to back) from at most max_entries
+             // pending entries (kv_event_codec.hpp). The GIL stays held: a chunk encodes in tens of
+             // microseconds, and taking the GIL back could wait a whole switch interval
+             kvtier::KvEventLog& log = c.kv_events();
+             if (c.kv_event_format().medium.empty()) throw nb::value_error("take_kv_event_payload: no format set");
+             size_t n = std::min(max_entries, log.pending());
+             std::string out;
+             out.reserve(n * 12 + 64);
+             size_t events = kvtier::encode_kv_events(log, log.head, log.head + n, c.kv_event_format(), out);
+             log.consumed(n);
+             return nb::make_tuple(events, nb::bytes(out.data(), out.size()));
+           }, "max_entries"_a)
+      .def("kv_event_count", [](Core& c) { return c.kv_events().pending(); })
       .def("published_hashes", [](const Core& c) {
              // what each tier holds as routers see it: (hashes u64, tiers i8, lcs u8) as bytes, one per
              // live published page (tests compare it with the events; a snapshot for late joiners)

@@ -136,6 +136,40 @@ void Core::note(KvEventKind kind, int32_t id) {
   kv_events_.push(kind, p.tier, p.lc, p.block, x.key, x.parent >= 0 ? &index_.blocks[x.parent].key : nullptr);
 }
 
+void Core::note_arrivals(const Ids& batch) {
+  // Pages of one chain that arrive together are logged parent before child, so that
+  // routers get one BlockStored per chain rather than one per page (a batch is in slot
+  // order). Each page is followed by a child in the batch when it has one. Sorted
+  // scratch arrays, no allocation per page: this runs for every landed batch.
+  auto& order = arrivals_;            // (depth, page), shallowest first
+  auto& kids = arrival_kids_;         // ((parent block, lc), position in order), sorted
+  order.clear();
+  kids.clear();
+  for (int32_t id : batch) {
+    const Page& p = pt_[id];
+    if (p.published && p.block >= 0) order.push_back({index_.blocks[p.block].depth, id});
+  }
+  std::sort(order.begin(), order.end());
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Page& p = pt_[order[i].second];
+    int32_t parent = index_.blocks[p.block].parent;
+    if (parent >= 0) kids.push_back({int64_t(parent) << 8 | p.lc, int32_t(i)});
+  }
+  std::sort(kids.begin(), kids.end());
+  arrival_done_.assign(order.size(), 0);
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (size_t at = i; !arrival_done_[at];) {
+      arrival_done_[at] = 1;
+      int32_t id = order[at].second;
+      note(KV_STORED, id);
+      int64_t key = int64_t(pt_[id].block) << 8 | pt_[id].lc;
+      auto it = std::lower_bound(kids.begin(), kids.end(), std::pair<int64_t, int32_t>{key, INT32_MIN});
+      for (; it != kids.end() && it->first == key; ++it)
+        if (!arrival_done_[size_t(it->second)]) { at = size_t(it->second); break; }
+    }
+  }
+}
+
 void Core::set_tokens(int32_t s, int32_t first, const int32_t* tokens, int32_t n) {
   if (!kv_events_.on) return;
   Seq& q = live_seq(s);
@@ -989,11 +1023,7 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
     p.ready = event;
     dst_owners[dst_slots[i]] = batch[i];
   }
-  // Arrivals in reverse: victims leave their queue deepest block first, so reversed they
-  // form chains (parent before child), which routers take as one BlockStored each.
-  if (kv_events_.on)
-    for (size_t i = batch.size(); i-- > 0;)
-      if (pt_[batch[i]].published) note(KV_STORED, batch[i]);
+  if (kv_events_.on) note_arrivals(batch);
   if (src_tier == DISK) disk_frees_.push_back({src_group, freed});
   if (handoff) {                                   // the caller's next writer waits on this batch's reads
     for (int32_t slot : freed) allocs_[src_tier][src_group].set_fence(slot, event);
@@ -1066,6 +1096,7 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
   // Parents before children: by depth, then in the order given (write order). Sorted as packed
   // 64-bit keys (depth, position): a record is 80 bytes, and comparing through them missed the cache.
   int64_t unreachable = 0;           // records whose parent is not on disk: orphaned, not bad
+  Ids recovered;                     // KV events on: the pages published, for their STORED entries
   std::vector<uint64_t> by_depth(records.size());
   for (size_t i = 0; i < records.size(); ++i)
     by_depth[i] = uint64_t(uint32_t(records[i].depth) + 1u) << 32 | uint64_t(i);   // depth -1 (bad) first
@@ -1110,11 +1141,13 @@ std::vector<Ids> Core::recover(std::vector<RecoveredRecord>& records) {
     p.slot = r.slot;
     p.priority = uint8_t(std::clamp(r.priority, 0, 100));
     set_block(id, node);
-    publish(id);
+    pt_[id].published = true;
+    if (kv_events_.on) recovered.push_back(id);
     index_.page(node, r.lc) = id;
     owners_[DISK][r.group][r.slot] = id;
     taken[r.group][r.slot] = 1;
   }
+  note_arrivals(recovered);          // before the drops below, which report their removals
   for (size_t g = 0; g < ng; ++g) allocs_[DISK][g].reset_used(taken[g]);
   // blocks missing a prefix-critical page can never match: drop them with their subtrees
   auto count_disk = [&]() {

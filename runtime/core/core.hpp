@@ -30,6 +30,7 @@
 #include "allocator.hpp"
 #include "index.hpp"
 #include "keys.hpp"
+#include "kv_event_codec.hpp"
 #include "kv_events.hpp"
 #include "lru.hpp"
 #include "page_table.hpp"
@@ -193,6 +194,7 @@ class Core {
   // events are off. Positions after a gap in what was given get none.
   void set_tokens(int32_t s, int32_t first, const int32_t* tokens, int32_t n);
   KvEventLog& kv_events() { return kv_events_; }
+  KvEventFormat& kv_event_format() { return kv_format_; }
 
   // -- drains -----------------------------------------------------------------------
   std::vector<std::pair<int32_t, Ids>> take_disk_frees();
@@ -229,6 +231,7 @@ class Core {
     return !p.locks && !p.claim && !p.dead && (p.tier != last_tier_ || (p.published && !p.holders));
   }
   void note(KvEventKind kind, int32_t id);     // a KV event for the page's block, in its tier
+  void note_arrivals(const Ids& batch);        // STORED for a landed batch, chain by chain
   void give_tokens(const Seq& q, int32_t i, int32_t b) {   // KV events: position i's tokens to block b
     if (kv_events_.on && size_t(i + 1) * size_t(tpb_) <= q.tokens.size() && !kv_events_.has_tokens(b))
       kv_events_.set_tokens(b, &q.tokens[size_t(i) * size_t(tpb_)]);
@@ -288,6 +291,11 @@ class Core {
   mutable std::vector<int32_t> scratch_;
   std::vector<RecoveredRecord> pending_records_;
   KvEventLog kv_events_;
+  KvEventFormat kv_format_;
+  // note_arrivals' scratch: (depth, page), ((parent block, lc), position), done flags
+  std::vector<std::pair<int32_t, int32_t>> arrivals_;
+  std::vector<std::pair<int64_t, int32_t>> arrival_kids_;
+  std::vector<uint8_t> arrival_done_;
 };
 
 }  // namespace kvtier

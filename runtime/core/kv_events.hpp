@@ -60,7 +60,8 @@ class KvEventLog {
  public:
   bool on = false;
   int32_t tpb = 0;
-  std::vector<KvEvent> events;
+  std::vector<KvEvent> events;          // [head, size) not yet taken
+  size_t head = 0;
   std::vector<int32_t> tokens;          // tpb per STORED entry that has them
 
   // Per block id: its tokens (tpb each) and whether they are known.
@@ -79,6 +80,15 @@ class KvEventLog {
     }
     std::memcpy(&block_tokens[size_t(b) * tpb], toks, sizeof(int32_t) * size_t(tpb));
     block_has[size_t(b)] = 1;
+  }
+  size_t pending() const { return events.size() - head; }
+  void consumed(size_t n) {             // the first n pending entries were taken
+    head += n;
+    if (head == events.size()) {
+      events.clear();
+      tokens.clear();
+      head = 0;
+    }
   }
   bool has_tokens(int32_t b) const { return size_t(b) < block_has.size() && block_has[size_t(b)]; }
 

@@ -8,7 +8,9 @@ reference measured in the same run (never a timed test):
   committed pages (page bytes excluded: the slab is allocated at open);
 - how long one 4096-block request holds the event loop, fresh and cached;
 - replay throughput at concurrency 32 against concurrency 1, with loop lag;
-- reopening a disk tier of many pages: seconds, and the longest loop stall.
+- reopening a disk tier of many pages: seconds, and the longest loop stall;
+- KV events on (published on a loopback ZMQ socket) against the same replay
+  with events off.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.config import DiskConfig, EventsConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.layers import LayerSpec
 
 from ..lag import LoopLagMonitor
@@ -34,7 +36,7 @@ PAGE = (("k", 2048), ("v", 2048))       # 4 KiB pages, as the issue's three-tier
 
 
 def _config(tiers: Sequence[int], directory: str | None, fsync: bool = False, page=PAGE,
-            tpb: int = 512) -> StoreConfig:
+            tpb: int = 512, events: EventsConfig | None = None) -> StoreConfig:
     g = tiers[0]
     h = tiers[1] if len(tiers) > 1 else None
     d = tiers[2] if len(tiers) > 2 else None
@@ -42,7 +44,7 @@ def _config(tiers: Sequence[int], directory: str | None, fsync: bool = False, pa
                        gpu=GpuConfig(slots=g, device="auto"),
                        host=HostConfig(slots=h) if h else None,
                        disk=DiskConfig(path=directory, slots=d, fsync=fsync) if d else None,
-                       persist_on_close=False)
+                       persist_on_close=False, events=events)
 
 
 def _bare(requests: Sequence[TraceRequest], capacity: int) -> float:
@@ -195,6 +197,29 @@ async def reopen_row(directory: str, n_pages: int) -> dict:
             "ratio": None, "loop_max_ms": lag.percentiles_ms()["max"], "recovered": recovered}
 
 
+async def events_rows(requests: Sequence[TraceRequest], rounds: int = 2) -> list[dict]:
+    """Replays with KV events on (batches published on a loopback PUB socket) against
+    the same replays with events off, alternated, best of ``rounds`` each: the
+    events' whole cost on the loop and in the publisher's thread."""
+    rows = []
+    for tiers, what in (((4096,), "GPU-only 4096 blocks (evicting)"), ((4096, 16384), "GPU 4096 + host 16384")):
+        best = {False: 0.0, True: 0.0}
+        published = 0
+        for _ in range(rounds):
+            for on in (False, True):
+                ev = EventsConfig(endpoint="tcp://127.0.0.1:*") if on else None
+                async with Store.open(_config(tiers, None, events=ev)) as store:
+                    res = await replay(store, requests, content=False, verify=False)
+                    if on:
+                        store.kv_events.flush()
+                        published = store.stats()["events"]["events"]
+                best[on] = max(best[on], res.blocks / res.seconds)
+        rows.append({"bench": f"core: replay with KV events on, {what}", "value": round(best[True]),
+                     "unit": "blocks/s", "baseline": round(best[False]), "baseline_is": "same replay, events off",
+                     "ratio": round(best[True] / best[False], 4), "events": published})
+    return rows
+
+
 async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, quick: bool = False) -> list[dict]:
     rows = [
         await replay_row("core: GPU-only replay, nothing evicted", requests, (400_000,), directory),
@@ -206,6 +231,7 @@ async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, q
     rows += await loop_hold_rows(rounds=2 if quick else 5)
     rows += await concurrency_rows(requests, (4096, 16384, 65536), directory)
     rows.append(await reopen_row(tempfile.mkdtemp(dir=directory), 100_000 if quick else 1_000_000))
+    rows += await events_rows(requests, rounds=1 if quick else 2)
     return rows
 
 
