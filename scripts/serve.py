@@ -23,7 +23,7 @@ Endpoints (JSON in, JSON out):
     DELETE /sequences/{id}           -> {"closed": true}
     GET    /stats                    -> Store.stats()
     GET    /healthz                  -> {"ok": true, ...}
-    GET    /metrics                  -> Prometheus text
+    GET    /metrics                  -> Prometheus text (see Metrics below)
 
 Block keys in JSON are integers (Mooncake ``hash_ids``) or hex strings
 (bytes keys). Errors: ``{"error": <type name>, "message": ...}`` with
@@ -56,6 +56,23 @@ recompute holes an acquire fills) as soon as the block's key is known.
 Extend, commit and verify acquire a released sequence for the time they need
 its pages on the GPU and release it again: each call leaves the sequence in
 the acquired/released state it found it in.
+
+Metrics. The store's come from ``runtime.metrics`` (its module docstring
+lists them with the closest vLLM metric): prefix-cache queries and hits by
+tier, slots and pages per tier and pool group, pages, bytes, time, batches
+and batch latency moved per direction, pages dropped, corrupt, recovered
+and discarded, KV events (with ``[events]`` in the config), and the
+event-loop lag quantiles and sample count of the server's 10 ms ticker
+(runtime.lag). The server adds its own:
+``kvtier_http_requests_total{method,route,status}``,
+``kvtier_open_sequences``, ``kvtier_expired_sequences_total``,
+``kvtier_verified_pages_total{result}`` and the histogram of every lag
+sample, ``kvtier_event_loop_lag_overshoot_seconds``.
+
+Config. Without ``--config`` the embedded model below; a TOML config is
+loaded as ``runtime.load_config`` reads it (the tier flags override its
+tiers), so its ``[events]`` table, if any, makes the store publish KV events
+over ZMQ in vLLM's format (``runtime/events.py``).
 
     python scripts/serve.py --port 8080                   # embedded model, temp disk dir
     python scripts/serve.py --disk-dir /var/tmp/kv         # disk tier survives restarts
@@ -98,6 +115,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noq
 
 import runtime  # noqa: E402
 from runtime.lag import LoopLagMonitor  # noqa: E402
+from runtime.metrics import StoreCollector, register as register_store_metrics  # noqa: E402
 from runtime.tools.cli import at_least, tune_gc  # noqa: E402
 from runtime.migration import index_tensor  # noqa: E402
 
@@ -383,95 +401,33 @@ class Session:
         self.expires = time.monotonic() + lease
 
 
-class LagMonitor(LoopLagMonitor):
-    """runtime.lag's monitor (lateness against a fixed schedule, so a stall
-    is seen in full), feeding a Prometheus histogram with every sample."""
-
-    def __init__(self, histogram: Histogram, interval: float = LAG_INTERVAL) -> None:
-        super().__init__(interval, observe=histogram.observe)
-
-    def quantiles(self) -> dict[str, float]:
-        """p50, p99 and the longest stall, in seconds (empty before the first sample)."""
-        p = self.percentiles_ms()
-        if not p["count"]:
-            return {}
-        return {"0.5": p["p50"] / 1e3, "0.99": p["p99"] / 1e3, "1": p["max"] / 1e3}
-
-
-class StoreCollector:
-    """Prometheus metrics read from ``Store.stats()`` at scrape time."""
+class ServerCollector:
+    """The server's own Prometheus metrics, read from its state at scrape
+    time: open and expired sequences, pages checked by /verify. The store's
+    metrics come from ``runtime.metrics.StoreCollector``, registered when the
+    store opens; HTTP requests and the lag histogram are plain metric objects."""
 
     def __init__(self, state: "ServerState") -> None:
         self.state = state
 
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        return (GaugeMetricFamily("kvtier_open_sequences", "Sequences open through this server"),
+                CounterMetricFamily("kvtier_expired_sequences", "Sequences closed because their lease ran out"),
+                CounterMetricFamily("kvtier_verified_pages", "Pages checked by /verify", labels=["result"]))
+
     def describe(self):
-        return []
+        """The names, so the registry refuses a store metric of the same name."""
+        return iter(self._families())
 
     def collect(self):
         st = self.state
-        store = st.store
-        if store is None or not store.started or store.closed:
-            return
-        try:
-            stats = store.stats()
-        except runtime.KvtierError:
-            return
-        hits = CounterMetricFamily("kvtier_hits", "Matched blocks by the tier of their coldest page", labels=["tier"])
-        for tier, n in stats["hits"].items():
-            hits.add_metric([tier], n)
-        yield hits
-        yield CounterMetricFamily("kvtier_lookup_blocks", "Blocks looked up by open_sequence",
-                                  value=stats["lookup_blocks"])
-        moved = CounterMetricFamily("kvtier_moved_pages", "Pages moved per direction", labels=["direction"])
-        nbytes = CounterMetricFamily("kvtier_moved_bytes", "Bytes moved per direction", labels=["direction"])
-        batches = CounterMetricFamily("kvtier_move_batches", "Move batches per direction", labels=["direction"])
-        fails = CounterMetricFamily("kvtier_move_failures", "Failed move batches per direction",
-                                    labels=["direction"])
-        bw = GaugeMetricFamily("kvtier_move_bandwidth_gbps", "Average bandwidth per direction (GB/s)",
-                               labels=["direction"])
-        for d, m in stats["moves"].items():
-            moved.add_metric([d], m["pages"])
-            nbytes.add_metric([d], m["bytes"])
-            batches.add_metric([d], m["batches"])
-            fails.add_metric([d], m["failures"])
-            bw.add_metric([d], m["bandwidth_gbps"])
-        yield from (moved, nbytes, batches, fails, bw)
-        in_use = GaugeMetricFamily("kvtier_slots_in_use", "Slots in use per tier and pool group",
-                                   labels=["tier", "group"])
-        cap = GaugeMetricFamily("kvtier_slots", "Slots per tier and pool group", labels=["tier", "group"])
-        states = GaugeMetricFamily("kvtier_slot_pages", "Pages per state, tier and pool group",
-                                   labels=["tier", "group", "state"])
-        evictable = GaugeMetricFamily("kvtier_slots_evictable", "Evictable slots per tier and pool group",
-                                      labels=["tier", "group"])
-        for tier, t in stats["tiers"].items():
-            for g in t["groups"]:
-                labels = [tier, str(g["index"])]
-                in_use.add_metric(labels, g["used"])
-                cap.add_metric(labels, g["slots"])
-                evictable.add_metric(labels, g["evictable"])
-                for s in ("locked", "held", "droppable"):
-                    states.add_metric(labels + [s], g[s])
-        yield from (in_use, cap, states, evictable)
-        yield CounterMetricFamily("kvtier_drops", "Pages dropped from the last tier", value=stats["drops"])
-        yield GaugeMetricFamily("kvtier_indexed_blocks", "Blocks in the prefix index", value=stats["indexed_blocks"])
-        yield GaugeMetricFamily("kvtier_recovered_pages", "Disk pages re-indexed at start",
-                                value=stats["recovered_pages"])
-        yield CounterMetricFamily("kvtier_discarded_pages", "Disk pages discarded (bad checksum or layout)",
-                                  value=stats["discarded_pages"])
-        yield GaugeMetricFamily("kvtier_open_sequences", "Sequences open through this server",
-                                value=len(st.sessions))
-        yield CounterMetricFamily("kvtier_expired_sequences", "Sequences closed because their lease ran out",
-                                  value=st.expired)
-        lag = GaugeMetricFamily("kvtier_event_loop_lag_seconds",
-                                f"Event-loop lag: how late a {LAG_INTERVAL * 1000:.0f} ms ticker runs against its "
-                                "schedule (quantile 1: the longest stall)", labels=["quantile"])
-        for q, v in st.lag.quantiles().items():
-            lag.add_metric([q], v)
-        yield lag
-        pages = CounterMetricFamily("kvtier_verified_pages", "Pages checked by /verify", labels=["result"])
+        open_seqs, expired, pages = self._families()
+        open_seqs.add_metric([], len(st.sessions))
+        expired.add_metric([], st.expired)
         pages.add_metric(["ok"], st.verified_ok)
         pages.add_metric(["corrupt"], st.verified_bad)
-        yield pages
+        yield from (open_seqs, expired, pages)
 
 
 class ServerState:
@@ -487,16 +443,21 @@ class ServerState:
         # large bodies decode here, one at a time: json.loads holds the GIL, so a queue of them
         # would hold the loop for their sum; one at a time lets the loop in between
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-serve-parse")
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.lag = LagMonitor(Histogram(
-            "kvtier_event_loop_lag_overshoot_seconds", "Event-loop lag samples (lateness of a 10 ms ticker)",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
-            registry=self.registry))
-        self.requests = Counter("kvtier_http_requests", "HTTP requests by route and status",
-                                ["method", "route", "status"], registry=self.registry)
-        self.registry.register(StoreCollector(self))
         self.verified_ok = 0
         self.verified_bad = 0
+        # /metrics: the server's own metrics here, the store's (and the lag quantiles) from
+        # runtime.metrics once the store is open (open_store)
+        self.registry = CollectorRegistry(auto_describe=False)
+        overshoot = Histogram(
+            "kvtier_event_loop_lag_overshoot_seconds",
+            f"Event-loop lag samples (lateness of a {LAG_INTERVAL * 1000:g} ms ticker)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry)
+        self.lag = LoopLagMonitor(LAG_INTERVAL, observe=overshoot.observe)
+        self.requests = Counter("kvtier_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=self.registry)
+        self.registry.register(ServerCollector(self))
+        self.store_metrics: StoreCollector | None = None
         self.roles: dict[int, list[tuple[str, int]]] = {}   # layer id -> [(role, bytes)] of its GPU pools
         self.cuda = False
         self.shutting_down = False
@@ -504,6 +465,7 @@ class ServerState:
     # -- the store's life -------------------------------------------------------------
     async def open_store(self) -> None:
         self.store = await runtime.Store.open(self.cfg)
+        self.store_metrics = register_store_metrics(self.store, self.registry, lag=self.lag)
         self.cuda = bool(getattr(self.store.device, "is_cuda", False))
         lcs = self.cfg.layout.life_cycles
         for lc in lcs:

@@ -14,6 +14,7 @@ import signal
 import string
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -87,12 +88,37 @@ async def servers():
 class Client:
     def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
         self.http, self.url = http, url
+        self.answered: Counter[tuple[str, str]] = Counter()     # (method, status) of the answered requests
+        self.scraped: Counter[tuple[str, str]] = Counter()      # ... of those the last /metrics counted
 
     async def call(self, method: str, path: str, body=None, data: bytes | None = None) -> tuple[int, dict]:
         kwargs = {"json": body} if data is None else {"data": data}
         async with self.http.request(method, self.url + path, **kwargs) as resp:
             payload = await resp.json(content_type=None)
+            self.answered[method, str(resp.status)] += 1
             return resp.status, payload
+
+    async def scrape(self) -> dict[tuple[str, tuple], float]:
+        """/metrics, parsed; ``scraped``: the answers it counts (not its own)."""
+        async with self.http.get(self.url + "/metrics") as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            samples = metric_samples(await resp.text())
+        self.scraped = Counter(self.answered)
+        self.answered["GET", "200"] += 1
+        return samples
+
+    async def settled_scrape(self) -> tuple[dict[tuple[str, tuple], float], dict]:
+        """/metrics and the /stats it shows: a scrape between two equal /stats
+        (the store's background moves and KV events are done)."""
+        for _ in range(int(POLL_TIMEOUT / POLL)):
+            before = await self.ok("GET", "/stats")
+            samples = await self.scrape()
+            after = await self.ok("GET", "/stats")
+            if before == after:
+                return samples, after
+            await asyncio.sleep(POLL)
+        pytest.fail("the store did not settle for a scrape")
 
     async def ok(self, method: str, path: str, body=None) -> dict:
         status, payload = await self.call(method, path, body)
@@ -161,6 +187,7 @@ async def flow(client: Client, c: int, r: int, rng: random.Random, stats: dict) 
             if r % 2:                                       # re-acquire path of verify
                 v = await expect(client, "GET", f"/sequences/{sid}/verify")
                 assert v["corrupt"] == 0, v
+                stats["verified"] += v["verified_pages"]
             await expect(client, "DELETE", f"/sequences/{sid}")
             return
         except Busy:
@@ -194,10 +221,92 @@ async def reopen_and_verify(client: Client, tokens: list[int], rng: random.Rando
 
 def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
     out = {}
-    for family in prom_parser.text_string_to_metric_families(text):
+    families = list(prom_parser.text_string_to_metric_families(text))
+    names = Counter(f.name for f in families)
+    assert max(names.values()) == 1, [n for n, k in names.items() if k > 1]     # no family exported twice
+    for family in families:
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in out, key
+            out[key] = s.value
     return out
+
+
+def sample(samples: dict, name: str, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
+    return {dict(k)[label]: v for (n, k), v in samples.items() if n == name}
+
+
+# names of the metrics serve.py built by hand before runtime.metrics took over the store's
+RETIRED = ("kvtier_hits", "kvtier_lookup_blocks", "kvtier_moved_", "kvtier_move_", "kvtier_slots",
+           "kvtier_slot_pages", "kvtier_drops")
+
+
+def check_store_metrics(samples: dict, stats: dict) -> None:
+    """Every store metric equals its figure in ``stats`` (Store.stats() read at
+    the scrape's moment), and none of serve.py's retired names is exported."""
+    assert not [n for n, _ in samples if n.startswith(RETIRED)]
+    assert sample(samples, "kvtier_prefix_cache_queries_total") == stats["lookup_blocks"]
+    assert by_label(samples, "kvtier_prefix_cache_hits_total", "tier") == {
+        t: float(n) for t, n in stats["hits"].items()}
+    assert sample(samples, "kvtier_indexed_blocks") == stats["indexed_blocks"]
+    groups = set()
+    for tier, t in stats["tiers"].items():
+        for g in t["groups"]:
+            labels = {"tier": tier, "group": str(g["index"])}
+            groups.add((tier, str(g["index"])))
+            assert sample(samples, "kvtier_kv_cache_slots", **labels) == g["slots"]
+            assert sample(samples, "kvtier_kv_cache_slots_used", **labels) == g["used"]
+            assert sample(samples, "kvtier_kv_cache_usage_perc", **labels) == pytest.approx(g["used"] / g["slots"])
+            assert sample(samples, "kvtier_kv_cache_slots_evictable", **labels) == g["evictable"]
+            for state in ("locked", "held", "droppable"):
+                assert sample(samples, "kvtier_kv_cache_pages", state=state, **labels) == g[state]
+    assert {(dict(k)["tier"], dict(k)["group"]) for n, k in samples if n == "kvtier_kv_cache_slots_used"} == groups
+    moves = stats["moves"]
+    for metric, key in (("pages", "pages"), ("bytes", "bytes"), ("batches", "batches"),
+                        ("failed_batches", "failures")):
+        assert by_label(samples, f"kvtier_kv_offload_{metric}_total", "direction") == {
+            d: float(m[key]) for d, m in moves.items()}, metric
+    latency = by_label(samples, "kvtier_kv_offload_batch_latency_seconds_count", "direction")
+    assert latency == {d: float(m["batches"]) for d, m in moves.items() if m["batches"]}
+    assert sample(samples, "kvtier_dropped_pages_total") == stats["drops"]
+    assert sample(samples, "kvtier_disk_full_dropped_pages_total") == stats["disk_full"]["dropped_pages"]
+    assert sample(samples, "kvtier_disk_full_refused_spills_total") == stats["disk_full"]["refused_spills"]
+    assert sample(samples, "kvtier_corrupt_pages_total") == stats["corrupt_pages"]
+    assert sample(samples, "kvtier_recovered_pages") == stats["recovered_pages"]
+    assert sample(samples, "kvtier_orphaned_pages_total") == stats["orphaned_pages"]
+    assert sample(samples, "kvtier_discarded_pages_total") == stats["discarded_pages"]
+    if "events" in stats:
+        assert sample(samples, "kvtier_events_published_total") == stats["events"]["published"]
+        assert sample(samples, "kvtier_events_dropped_total") == stats["events"]["dropped"]
+        assert sample(samples, "kvtier_events_buffered") == stats["events"]["buffered"]
+    else:
+        assert not [n for n, _ in samples if n.startswith("kvtier_events_")]
+
+
+def check_server_metrics(samples: dict, answered: Counter, open_sequences: int = 0, expired: int = 0,
+                         verified: int | None = None) -> None:
+    """The server's own metrics: requests per (method, status) as the client
+    counted its answers, sequences, verified pages, and the lag monitor's
+    samples in both the histogram and runtime.metrics' quantiles."""
+    requests: Counter[tuple[str, str]] = Counter()
+    for (n, k), v in samples.items():
+        if n == "kvtier_http_requests_total":
+            requests[dict(k)["method"], dict(k)["status"]] += int(v)
+    assert requests == answered
+    assert sample(samples, "kvtier_open_sequences") == open_sequences
+    assert sample(samples, "kvtier_expired_sequences_total") == expired
+    assert sample(samples, "kvtier_verified_pages_total", result="corrupt") == 0
+    if verified is not None:
+        assert sample(samples, "kvtier_verified_pages_total", result="ok") == verified
+    ticks = sample(samples, "kvtier_event_loop_lag_samples_total")
+    assert ticks > 0 and sample(samples, "kvtier_event_loop_lag_overshoot_seconds_count") == ticks
+    lag = by_label(samples, "kvtier_event_loop_lag_seconds", "quantile")
+    assert set(lag) == {"0.5", "0.99", "1"}
+    assert 0 <= lag["0.5"] <= lag["0.99"] <= lag["1"] < 5
 
 
 CLIENTS = 16
@@ -223,6 +332,7 @@ async def test_concurrent_clients_spill_verify_restart(tmp_path, servers):
             again = await reopen_and_verify(client, prompt_tokens(c, 0) + generated_tokens(c, 0), rng)
             assert again["matched_blocks"] == 7, again
             assert again["verify"]["verified_pages"] >= 7 * 2 * 2
+            stats["verified"] += again["verify"]["verified_pages"]
 
         await asyncio.wait_for(asyncio.gather(*(run_client(c) for c in range(CLIENTS))), 120)
         assert stats["matched"] > 0        # shared prefixes were reused
@@ -235,24 +345,17 @@ async def test_concurrent_clients_spill_verify_restart(tmp_path, servers):
         assert sum(st["hits"].values()) > 0
         assert all(f["failures"] == 0 for f in moves.values()), moves
 
-        async with http.get(server.url + "/metrics") as resp:
-            assert resp.status == 200
-            assert resp.headers["Content-Type"].startswith("text/plain")
-            samples = metric_samples(await resp.text())
-        assert samples[("kvtier_moved_pages_total", (("direction", "gpu->host"),))] > 0
-        assert samples[("kvtier_moved_pages_total", (("direction", "host->disk"),))] > 0
-        assert samples[("kvtier_moved_bytes_total", (("direction", "host->disk"),))] > 0
-        assert sum(v for (n, _), v in samples.items() if n == "kvtier_hits_total") > 0
-        for tier in ("gpu", "host", "disk"):
-            assert ("kvtier_slots_in_use", (("group", "0"), ("tier", tier))) in samples
-        assert samples[("kvtier_slots_in_use", (("group", "0"), ("tier", "disk")))] > 0
-        assert ("kvtier_drops_total", ()) in samples
-        for q in ("0.5", "0.99"):
-            lag = samples[("kvtier_event_loop_lag_seconds", (("quantile", q),))]
-            assert 0 <= lag < 5
-        assert samples[("kvtier_event_loop_lag_overshoot_seconds_count", ())] > 0
-        assert samples[("kvtier_verified_pages_total", (("result", "corrupt"),))] == 0
-        assert samples[("kvtier_open_sequences", ())] == 0
+        samples, st = await client.settled_scrape()
+        check_store_metrics(samples, st)
+        check_server_metrics(samples, client.scraped, verified=stats["verified"])
+        pages = by_label(samples, "kvtier_kv_offload_pages_total", "direction")
+        assert pages["gpu->host"] > 0 and pages["host->disk"] > 0, pages
+        assert sample(samples, "kvtier_kv_offload_bytes_total", direction="host->disk") == pages["host->disk"] * \
+            st["tiers"]["disk"]["groups"][0]["slot_bytes"]
+        assert sum(by_label(samples, "kvtier_prefix_cache_hits_total", "tier").values()) >= stats["matched"] > 0
+        assert sample(samples, "kvtier_kv_cache_slots_used", tier="disk", group="0") > 0
+        assert sample(samples, "kvtier_http_requests_total", method="GET", route="/sequences/{id}/verify",
+                      status="200") >= CLIENTS * (REQUESTS + REQUESTS // 2 + 1)
 
         # a sequence left open at shutdown is closed by the server
         opened = await client.ok("POST", "/sequences", {"tokens": prompt_tokens(1, 1)})
@@ -268,6 +371,10 @@ async def test_concurrent_clients_spill_verify_restart(tmp_path, servers):
         client = Client(http, server.url)
         st = await client.ok("GET", "/stats")
         assert st["recovered_pages"] > 0
+        samples, st = await client.settled_scrape()
+        check_store_metrics(samples, st)
+        assert sample(samples, "kvtier_recovered_pages") == st["recovered_pages"] > 0
+        assert sum(by_label(samples, "kvtier_kv_offload_pages_total", "direction").values()) == 0
         rng = random.Random(99)
         again = await reopen_and_verify(client, prompt_tokens(0, 0) + generated_tokens(0, 0), rng)
         assert again["matched_blocks"] == 7, again
@@ -385,13 +492,47 @@ async def test_errors_config_file_and_sigint(tmp_path, servers):
 
         # the server is still healthy after all that
         assert (await client.ok("GET", "/healthz"))["ok"] is True
-        async with http.get(server.url + "/metrics") as resp:
-            samples = metric_samples(await resp.text())
-        assert samples[("kvtier_http_requests_total", (("method", "POST"), ("route", "/sequences"),
-                                                       ("status", "400")))] >= 10
+        samples, st = await client.settled_scrape()
+        check_store_metrics(samples, st)
+        check_server_metrics(samples, client.scraped)
+        assert sample(samples, "kvtier_http_requests_total", method="POST", route="/sequences", status="400") >= 10
+        assert sample(samples, "kvtier_http_requests_total", method="GET", route="unmatched", status="404") == 1
+        assert sample(samples, "kvtier_kv_cache_slots", tier="gpu", group="0") == 16
     assert await server.stop(signal.SIGINT) == 0, server.stderr()
     assert "Traceback" not in server.stderr(), server.stderr()
     assert (tmp_path / "kvdisk" / "HEADER").exists()
+
+
+async def test_kv_events_config_file(tmp_path, servers):
+    """A config file's [events] table reaches the store: it binds the ZMQ
+    endpoint, and /metrics counts the KV events a request publishes."""
+    (tmp_path / "kvdisk").mkdir()
+    (tmp_path / "kv.toml").write_text(KV_TOML + '[events]\nendpoint = "tcp://127.0.0.1:*"\nmodel = "m"\n')
+    server = await Server.start(tmp_path, "--config", str(tmp_path / "kv.toml"), "--no-fsync", name="events")
+    servers.append(server)
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+        client = Client(http, server.url)
+        samples, st = await client.settled_scrape()
+        endpoint = st["events"]["endpoint"]
+        assert endpoint.startswith("tcp://127.0.0.1:") and int(endpoint.rsplit(":", 1)[1]) > 0, endpoint
+        check_store_metrics(samples, st)
+        before = sample(samples, "kvtier_events_published_total")
+
+        opened = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(0)})
+        await client.ok("POST", f"/sequences/{opened['id']}/extend", {"num_blocks": 2})
+        await client.ok("POST", f"/sequences/{opened['id']}/commit", {"num_blocks": 2})     # BlockStored
+        await client.ok("DELETE", f"/sequences/{opened['id']}")
+
+        async def published():
+            samples, st = await client.settled_scrape()
+            return (samples, st) if sample(samples, "kvtier_events_published_total") > before else None
+        samples, st = await until(published, "the request's KV events to be published")
+        check_store_metrics(samples, st)
+        check_server_metrics(samples, client.scraped)
+        assert sample(samples, "kvtier_events_dropped_total") == 0
+        assert st["events"]["endpoint"] == endpoint
+    assert await server.stop(signal.SIGTERM) == 0, server.stderr()
+    assert "Traceback" not in server.stderr(), server.stderr()
 
 
 def _load_serve():
@@ -529,6 +670,44 @@ async def test_vanished_clients_sequences_are_reclaimed(tmp_path, servers):
         assert samples[("kvtier_expired_sequences_total", ())] == 4
     assert await server.stop(signal.SIGTERM) == 0, server.stderr()
     assert "Traceback" not in server.stderr(), server.stderr()
+
+
+async def test_metrics_are_runtime_metrics(tmp_path):
+    """/metrics holds runtime.metrics' collector for the server's own store
+    and lag monitor, next to the server's metrics, each family once; read
+    in one step with Store.stats(), every figure equals the store's."""
+    serve = _load_serve()
+    from runtime.metrics import StoreCollector, register
+    async with in_process(tmp_path, gpu_slots=16) as (client, state):
+        assert isinstance(state.store_metrics, StoreCollector)
+        assert state.store_metrics.store is state.store and state.store_metrics.lag is state.lag
+        with pytest.raises(ValueError, match="Duplicated"):
+            register(state.store, state.registry)        # the names are taken: nothing is exported twice
+        verified = 0
+        for p in range(6):                               # 6 x 2 blocks x 2 pages: past the 16 GPU slots
+            opened = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(p)})
+            sid = opened["id"]
+            await client.ok("POST", f"/sequences/{sid}/extend", {"num_blocks": 2})
+            await client.ok("POST", f"/sequences/{sid}/commit", {"num_blocks": 2})
+            verified += (await client.ok("GET", f"/sequences/{sid}/verify"))["verified_pages"]
+            await client.ok("DELETE", f"/sequences/{sid}")
+        again = await client.ok("POST", "/sequences", {"tokens": prefix_tokens(0)})
+        assert again["matched_blocks"] == 2
+        await asyncio.sleep(3 * serve.LAG_INTERVAL)      # a few lag ticks
+        await state.store.drain()
+
+        samples = metric_samples(serve.generate_latest(state.registry).decode())
+        stats = state.store.stats()                      # the same moment: no await in between
+        check_store_metrics(samples, stats)
+        check_server_metrics(samples, client.answered, open_sequences=1, verified=verified)
+        assert verified == 6 * 2 * 4 * 2                  # 4 layers, k and v
+        assert sample(samples, "kvtier_prefix_cache_queries_total") == 7 * 2
+        assert sum(by_label(samples, "kvtier_prefix_cache_hits_total", "tier").values()) == 2
+        assert sample(samples, "kvtier_kv_offload_pages_total", direction="gpu->host") > 0
+        assert sample(samples, "kvtier_kv_cache_slots", tier="gpu", group="0") == 16
+        p = state.lag.percentiles_ms()
+        assert sample(samples, "kvtier_event_loop_lag_samples_total") == p["count"] > 0
+        assert sample(samples, "kvtier_event_loop_lag_seconds", quantile="1") == p["max"] / 1e3
 
 
 async def test_lease_is_renewed_by_use(tmp_path):
