@@ -63,7 +63,8 @@ assert EVENT.itemsize == 24                 # kv_events.hpp's KvEvent (the raw l
 STORED, REMOVED = 0, 1
 REMOTE = 3
 MEDIUM = {GPU: "GPU", HOST: "CPU_PINNED", DISK: "DISK", REMOTE: "EXTERNAL"}
-FLUSH_ENTRIES = 16384                       # log entries encoded per loop turn (about 0.2 ms)
+FLUSH_ENTRIES = 4096                        # log entries encoded per loop turn (0.1-1 ms)
+HOLD_BYTES = 64 << 20                       # events held back while the publisher's queue is full
 
 
 def default_topic(worker_id: str | None, model: str) -> str:
@@ -90,6 +91,7 @@ class KvEvents:
         self.wakeup: asyncio.Event | None = None
         self.pending: list[bytes] = []      # encoded events not yet in a batch, in order
         self.n_pending = 0
+        self.pending_bytes = 0
         self.n_batches = 0
         self.n_events = 0
         self.local_dropped = 0
@@ -101,11 +103,15 @@ class KvEvents:
         """Bind the sockets (before the store builds anything: a bad endpoint fails the start)."""
         if self.cfg.endpoint is not None:
             from .zmq_publisher import ZmqEventPublisher
+            from tiers.errors import ConfigError
             c = self.cfg
-            self.publisher = ZmqEventPublisher(
-                c.endpoint, replay_endpoint=c.replay_endpoint,
-                topic=c.topic or default_topic(c.worker_id, c.model),
-                buffer_batches=c.buffer_batches, queue_batches=c.buffer_batches)
+            try:
+                self.publisher = ZmqEventPublisher(
+                    c.endpoint, replay_endpoint=c.replay_endpoint,
+                    topic=default_topic(c.worker_id, c.model) if c.topic is None else c.topic,
+                    buffer_batches=c.buffer_batches, queue_batches=c.buffer_batches, hwm=c.buffer_batches)
+            except ConfigError as e:
+                raise ConfigError(f"events.{e.field}", e.problem) from None
 
     def start(self) -> None:
         """The store's contents start empty: AllBlocksCleared, before recovery's BlockStored."""
@@ -119,16 +125,17 @@ class KvEvents:
         self.n_pending += 1
 
     def run(self) -> None:
-        self.flush()
+        """Start the flusher (recovery's events go out a chunk per loop turn from here)."""
         self._flusher = asyncio.ensure_future(self._flush_loop())
 
     async def stop(self) -> None:
+        """The last batches (persisting's moves included), then no more."""
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.wait([self._flusher])
             self._flusher = None
         if self.store.core is not None:
-            self.flush()
+            await self._flush_async(force=True)
 
     def close(self) -> None:
         """Blocking: flush the publisher's queue and close its sockets (run off the loop)."""
@@ -139,31 +146,40 @@ class KvEvents:
         while True:
             await asyncio.sleep(self.cfg.flush_interval)
             try:
-                while self._step():
-                    await asyncio.sleep(0)      # a large backlog (a recovery) goes a chunk per loop turn
+                await self._flush_async()
             except Exception:       # noqa: BLE001 - the stream must outlive a bad batch
                 log.exception("kv events: flush failed")
 
+    async def _flush_async(self, force: bool = False) -> None:
+        """Everything logged so far, a chunk per loop turn (a recovery logs millions)."""
+        while self._step(force):
+            await asyncio.sleep(0)
+
     # -- the log into batches -----------------------------------------------------------
     def flush(self) -> None:
-        """Everything the core logged so far becomes batches, now."""
-        while self._step():
+        """Everything the core logged so far becomes batches, now, in one go."""
+        while self._step(True):
             pass
 
-    def _step(self) -> bool:
+    def _step(self, force: bool = False) -> bool:
         """One batch of at most ``FLUSH_ENTRIES`` log entries; True while more remain."""
         core = self.store.core
         if core.kv_event_count():
             n, body = core.take_kv_event_payload(FLUSH_ENTRIES)
             self.pending.append(body)
             self.n_pending += n
-        self._emit()
+            self.pending_bytes += len(body)
+        self._emit(force)
         return core.kv_event_count() > 0
 
-    def _emit(self) -> None:
+    def _emit(self, force: bool = False) -> None:
         if not self.n_pending:
             return
+        pub = self.publisher
+        if pub is not None and not force and not pub.has_room() and self.pending_bytes < HOLD_BYTES:
+            return          # the publisher is behind: the events wait here and go out merged in one batch
         n, body = self.n_pending, b"".join(self.pending)
+        self.pending_bytes = 0
         self.pending, self.n_pending = [], 0
         # [ts, [events...], rank], the events already encoded: msgpack concatenates
         payload = b"".join((_BATCH_HEAD, struct.pack(">d", time.time()), _array_header(n), body, self._rank))
@@ -190,8 +206,10 @@ class KvEvents:
 
     # -- readers ------------------------------------------------------------------------
     def take(self) -> list[list]:
-        """Every batch buffered for Python readers since the last take (oldest first)."""
-        self.flush()
+        """Every batch buffered for Python readers since the last take (oldest first);
+        what the core logged meanwhile is encoded first, in one go."""
+        if not self.store.closed:
+            self.flush()
         if self.local is None:
             self.local = collections.deque()
             return []
@@ -207,7 +225,7 @@ class KvEvents:
             self.wakeup = asyncio.Event()
         while True:
             if not self.store.closed:
-                self.flush()
+                await self._flush_async()
             while self.local:
                 yield msgpack.unpackb(self.local.popleft())
             if self.store.closed:
@@ -226,6 +244,8 @@ class KvEvents:
                        np.frombuffer(g, np.uint8).tolist()))
 
     def stats(self) -> dict:
+        """``batches`` and ``events`` made; ``published`` and ``dropped`` count batches
+        (handed to ZMQ, or lost to a full queue or a full reader buffer)."""
         pub = self.publisher.stats() if self.publisher is not None else {}
         return {"batches": self.n_batches, "events": self.n_events,
                 "published": pub.get("published", 0),

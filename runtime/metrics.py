@@ -50,7 +50,8 @@ kvtier_corrupt_pages_total                                none
 kvtier_recovered_pages                                    none
 kvtier_orphaned_pages_total                               none
 kvtier_discarded_pages_total                              none
-kvtier_events_published_total                             none (vLLM's KV event publisher exports no metric)
+kvtier_events_total                                       none (vLLM's KV event publisher exports no metric)
+kvtier_events_published_total                             none
 kvtier_events_dropped_total                               none
 kvtier_events_buffered                                    none
 kvtier_event_loop_lag_seconds{quantile}                   none
@@ -83,8 +84,9 @@ What the figures are:
   At start: ``recovered_pages`` re-indexed from disk, ``orphaned_pages``
   unreachable (freed), ``discarded_pages`` damaged or not fitting this
   layout (``discarded_pages`` also counts the corrupt pages found later).
-- ``events_*``: KV events published, dropped (a full buffer) and buffered,
-  present only when the store publishes KV events.
+- ``events_*``: KV events made, and the batches they travel in: published
+  (handed to ZMQ), dropped (a full queue or reader buffer) and buffered for
+  Python readers; present only when the store makes KV events.
 - ``event_loop_lag_seconds``: from the lag monitor given as ``lag=``, p50
   and p99 of its recent samples and (``quantile="1"``) the longest stall,
   present once it has a sample; ``event_loop_lag_samples_total`` its ticks.
@@ -163,9 +165,10 @@ class StoreCollector:
             "orphaned": counter(f"{p}_orphaned_pages", "Disk pages unreachable at start (freed)"),
             "discarded": counter(f"{p}_discarded_pages",
                                  "Disk pages discarded (damaged, or not fitting the layout or tree)"),
-            "ev_published": counter(f"{p}_events_published", "KV events published"),
-            "ev_dropped": counter(f"{p}_events_dropped", "KV events dropped (buffer full)"),
-            "ev_buffered": gauge(f"{p}_events_buffered", "KV events buffered, not yet taken"),
+            "ev_made": counter(f"{p}_events", "KV events made (BlockStored, BlockRemoved, AllBlocksCleared)"),
+            "ev_published": counter(f"{p}_events_published", "KV event batches published (handed to ZMQ)"),
+            "ev_dropped": counter(f"{p}_events_dropped", "KV event batches dropped (a full queue or reader buffer)"),
+            "ev_buffered": gauge(f"{p}_events_buffered", "KV event batches buffered for Python readers"),
             "lag": gauge(f"{p}_event_loop_lag_seconds", "Event-loop lag: p50 and p99 of the recent samples, "
                          "and the longest stall (quantile 1)", labels=["quantile"]),
             "lag_samples": counter(f"{p}_event_loop_lag_samples", "Event-loop lag samples taken"),
@@ -247,6 +250,7 @@ class StoreCollector:
 
         events = stats.get("events")
         if events:
+            f["ev_made"].add_metric([], events.get("events", 0))
             f["ev_published"].add_metric([], events.get("published", 0))
             f["ev_dropped"].add_metric([], events.get("dropped", 0))
             f["ev_buffered"].add_metric([], events.get("buffered", 0))

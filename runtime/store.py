@@ -753,13 +753,15 @@ class Store:
     def take_events(self) -> list[list]:
         """KV event batches ``[ts, events, dp_rank]`` made since the last call,
         oldest first (with an ``[events] endpoint`` they are buffered from the
-        first call on). Needs ``[events]`` in the config."""
-        self._check()
+        first call on). Needs ``[events]`` in the config. After close it still
+        returns the last batches (persisting's moves)."""
+        if not self.started:
+            self._check()
         return self._kv().take()
 
     def event_batches(self):
         """``async for batch in store.event_batches()``: batches as they are made,
-        until the store closes."""
+        until the store closes. One reader: two iterators would share the batches."""
         self._check()
         return self._kv().batches()
 

@@ -33,11 +33,15 @@ first reply message (libzmq's REQ allows one reply per request); clients that
 want the whole stream use DEALER, as Dynamo does.
 
 Threading: ZMQ sockets are not thread-safe and the caller is an asyncio loop
-that must never block, so ``publish`` only appends to a bounded queue and one
-background thread owns both sockets: it numbers, encodes and sends batches,
-keeps the replay buffer and answers replay requests. Python-side memory is
-bounded by ``queue_batches + buffer_batches`` batches whatever subscribers
-do; ZMQ's own per-peer queues are bounded by the high-water marks.
+that must never block, so ``publish`` only numbers a batch (encoding it if
+it is not bytes yet) and appends it to a bounded queue; a batch dropped for a
+full queue keeps its number, so subscribers see the gap. One background
+thread owns both sockets: it sends batches, keeps the replay buffer and
+answers replay requests. Python-side memory is bounded by ``queue_batches +
+buffer_batches`` batches whatever subscribers do; ZMQ's own per-peer queues
+are bounded by the high-water marks (``hwm`` batches per subscriber). PUB
+drops for a subscriber past its mark without telling: ``published`` counts
+batches handed to ZMQ, and a subscriber learns of its losses from the gaps.
 
 Sockets come from ``zmq.Context.instance()``, so an ``inproc://`` endpoint is
 reachable from peers in this process that use the same shared context.
@@ -137,19 +141,33 @@ class ZmqEventPublisher:
 
     # ---- caller side (any thread) ----
 
-    def publish(self, batch: list) -> bool:
-        """Queue ``batch`` for sending; False (counted as a drop) if the queue is full or closed.
+    def publish(self, batch: list | bytes) -> bool:
+        """Queue ``batch`` (a batch, or its msgpack bytes) for sending; False (counted as a
+        drop) if the queue is full or closed.
 
-        The batch is encoded later on the publisher thread: do not mutate it
-        after handing it over.
+        The batch gets its sequence number here, so a batch dropped for a full queue leaves
+        a gap subscribers can see. One that cannot be encoded is dropped without a number.
         """
+        if isinstance(batch, bytes):
+            payload = batch
+        else:
+            try:
+                payload = msgpack.packb(batch, use_bin_type=True)
+            except Exception as exc:        # noqa: BLE001 - a bad batch is the caller's, never the thread's
+                with self._lock:
+                    self._dropped += 1
+                log.error("zmq event publisher %s: cannot encode a batch, dropped: %r", self.endpoint, exc)
+                return False
         with self._lock:
             if not self._closed and len(self._queue) < self._queue_max:
                 was_empty = not self._queue
-                self._queue.append(batch)
+                self._queue.append((self._next_seq, payload))
+                self._next_seq += 1
                 accepted = True
             else:
                 self._dropped += 1
+                if not self._closed:
+                    self._next_seq += 1             # a gap: subscribers know a batch is missing
                 accepted = False
                 closed = self._closed
         if accepted:
@@ -237,16 +255,13 @@ class ZmqEventPublisher:
                 self._service_replay()
         self._service_replay()
 
-    def _send_batch(self, batch: Any) -> None:
-        try:
-            payload = batch if isinstance(batch, bytes) else msgpack.packb(batch, use_bin_type=True)
-        except Exception as exc:
-            # No seq is spent on it, so subscribers see no gap for a batch that never existed.
-            with self._lock:
-                self._dropped += 1
-            log.error("zmq event publisher %s: cannot encode a batch, dropped: %r", self.endpoint, exc)
-            return
-        seq = self._next_seq
+    def has_room(self) -> bool:
+        """Whether a publish now would be queued (a caller may hold its batch back instead)."""
+        with self._lock:
+            return len(self._queue) < self._queue_max
+
+    def _send_batch(self, item: tuple[int, bytes]) -> None:
+        seq, payload = item
         seq_frame = _seq_bytes(seq)
         # Buffered even if the send fails below: a subscriber that sees the gap can replay it.
         self._buffer.append((seq, payload))
@@ -260,7 +275,6 @@ class ZmqEventPublisher:
             if self._should_log("send_error"):
                 log.warning("zmq event publisher %s: send failed: %s", self.endpoint, exc)
         with self._lock:
-            self._next_seq = seq + 1
             if sent:
                 self._published += 1
             else:

@@ -205,7 +205,7 @@ async def test_int_block_keys_are_their_own_hashes():
     async with Store.open(cfg) as store:
         await prefill_keys(store, [7, (1 << 64) - 1, 12345])
         await prefill_keys(store, [-5, 1 << 70])
-        (_, events, _), = [b for b in store.take_events() if b[1][0]["type"] != "AllBlocksCleared"]
+        events = [e for b in store.take_events() for e in b[1]]
     first, second = [e for e in events if e["type"] == "BlockStored"]
     assert first["block_hashes"] == [7, (1 << 64) - 1, 12345] and first["parent_block_hash"] is None
     assert all(0 <= h < 1 << 64 for h in second["block_hashes"])
@@ -367,7 +367,7 @@ async def test_a_stalled_subscriber_costs_nothing_but_dropped_batches(tmp_path):
                 pub = store.kv_events.publisher.stats()
                 assert pub["queued"] <= 4 and pub["buffered"] <= 4
             st = store.stats()["events"]
-            assert st["batches"] > 300
+            assert st["batches"] > 200 and st["events"] > 1000
             assert st["published"] + st["dropped"] <= st["batches"]
         finally:
             stalled.close(linger=0)
@@ -447,3 +447,75 @@ def test_the_native_encoder_matches_the_python_reference_byte_for_byte(positiona
     assert n == len(got) == len(want) and got == want
     assert b"".join(msgpack.packb(e) for e in got) == body
     assert any(e[0] == "BlockRemoved" if positional else e["type"] == "BlockRemoved" for e in got)
+
+
+async def test_recovered_blocks_get_their_tokens_back_before_they_move(tmp_path):
+    """A restarted store's disk pages have no tokens (the journal keeps keys); a sequence
+    opened with the same tokens gives them back, so the promotion's BlockStored carries them."""
+    cfg = config(gpu=8, host=8, disk=32, disk_dir=tmp_path, events=EventsConfig())
+    toks = list(range(500, 516))
+    async with Store.open(cfg) as store:
+        await fill(store, toks)
+    async with Store.open(cfg) as store:
+        store.take_events()
+        seq = await store.open_sequence(tokens=toks)
+        assert seq.matched_by_tier["disk"] == 4
+        await seq.acquire()
+        await seq.close()
+        stored = [e for b in store.take_events() for e in b[1] if e["type"] == "BlockStored"]
+    gpu = [e for e in stored if e["medium"] == "GPU"]
+    assert gpu and all(e["token_ids"] == toks[:len(e["token_ids"])] and e["token_ids"] for e in gpu)
+
+
+def test_a_log_taken_in_small_pieces_while_it_grows_encodes_the_same():
+    """Partial takes compact the log (its taken head and their tokens go); the events read
+    piece by piece equal one core's whole log through the Python reference."""
+    specs = [("full_attention", None)]
+    cores = []
+    for _ in range(2):
+        c = Core(2, [(False, 0, 0, 0)], [[0], [-1], [-1]], [[40000], [], []])
+        c.set_kv_event_format(2, False, ["GPU", "CPU_PINNED", "DISK", "EXTERNAL"], ["full_attention"], [-1])
+        c.set_kv_events(True)
+        cores.append(c)
+    rng = random.Random(9)
+    got = []
+    for step in range(800):
+        keys = [step * 100 + d + 1 for d in range(rng.randint(1, 60))]
+        tokens = np.arange(2 * len(keys), dtype=np.int32) + step
+        for i, c in enumerate(cores):
+            sid, _, _ = c.open(keys, 35)
+            if step % 3:
+                c.set_tokens(sid, 0, tokens, 2)
+            assert c.extend_now(sid, len(keys)) is not None
+            assert c.commit(sid, len(keys)) == -1
+            c.close(sid)
+            if step % 5 == 4:
+                c.drop_page(c.find(keys[0])[2][0])
+            if i == 1:                          # takes smaller than what each step logs: a backlog, compacted
+                n, body = c.take_kv_event_payload(rng.randint(1, 40))
+                u = msgpack.Unpacker()
+                u.feed(body)
+                got += list(u)
+    while cores[1].kv_event_count():
+        u = msgpack.Unpacker()
+        u.feed(cores[1].take_kv_event_payload(777)[1])
+        got += list(u)
+    raw, toks = cores[0].take_kv_events()
+    want = reference_events(raw, toks, 2, specs, False)
+
+    def blocks(events):      # runs split where a take cut them: compare block by block
+        return [(e["type"], h, e.get("medium"), tuple(e.get("token_ids", ())[2 * i:2 * i + 2]))
+                for e in events for i, h in enumerate(e["block_hashes"])]
+    assert blocks(got) == blocks(want) and len(blocks(got)) > 20000
+
+
+def test_bindings_refuse_a_tokens_per_block_that_is_not_the_core_s():
+    c = Core(4, [(False, 0, 0, 0)], [[0], [-1], [-1]], [[8], [], []])
+    c.set_kv_events(True)
+    sid, _, _ = c.open([1, 2], 35)
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        c.set_tokens(sid, 0, np.zeros(2, dtype=np.int32), 1)
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        c.set_kv_event_format(64, False, ["GPU", "CPU_PINNED", "DISK"], ["full_attention"], [-1])
+    with pytest.raises(ValueError, match="whole blocks"):
+        c.set_tokens(sid, 0, np.zeros(6, dtype=np.int32), 4)

@@ -396,7 +396,8 @@ NB_MODULE(_core, m) {
       .def("set_kv_events", &Core::set_kv_events, "on"_a)
       .def("set_tokens", [](Core& c, int32_t s, int32_t first,
                             nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens, int32_t tpb) {
-             if (tpb <= 0 || tokens.shape(0) % size_t(tpb)) throw nb::value_error("set_tokens: not whole blocks of tokens");
+             if (tpb != c.tokens_per_block()) throw nb::value_error("set_tokens: tokens_per_block is not the core's");
+             if (tokens.shape(0) % size_t(tpb)) throw nb::value_error("set_tokens: not whole blocks of tokens");
              c.set_tokens(s, first, tokens.data(), int32_t(tokens.shape(0) / size_t(tpb)));
            }, "seq"_a, "first"_a, "tokens"_a.noconvert(), "tokens_per_block"_a)
       .def("take_kv_events", [](Core& c) {
@@ -414,6 +415,7 @@ NB_MODULE(_core, m) {
                throw nb::value_error("set_kv_event_format: one spec kind and window per life cycle, a medium per tier");
              for (auto& m : medium) if (m.size() > 255) throw nb::value_error("set_kv_event_format: a name too long");
              for (auto& k : spec_kind) if (k.size() > 255) throw nb::value_error("set_kv_event_format: a name too long");
+             if (tpb != c.tokens_per_block()) throw nb::value_error("set_kv_event_format: tokens_per_block is not the core's");
              kvtier::KvEventFormat& f = c.kv_event_format();
              f.tpb = tpb;
              f.positional = positional;

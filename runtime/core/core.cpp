@@ -179,6 +179,10 @@ void Core::set_tokens(int32_t s, int32_t first, const int32_t* tokens, int32_t n
   if (size_t(first) > have) return;       // after a gap (tokens not kept before): none kept from here
   q.tokens.resize(std::max(have, size_t(first) + size_t(n)) * size_t(tpb_));
   std::copy(tokens, tokens + size_t(n) * size_t(tpb_), q.tokens.begin() + std::ptrdiff_t(size_t(first) * size_t(tpb_)));
+  // Matched blocks that lack tokens (recovered from disk) get them now, before an acquire
+  // moves them: their next STORED entry then carries them.
+  for (int32_t i = first; i < first + n && size_t(i) < q.blocks.size(); ++i)
+    if (index_.blocks[q.blocks[size_t(i)]].indexed) give_tokens(q, i, q.blocks[size_t(i)]);
 }
 
 void Core::free_page(int32_t id, bool release) {
@@ -1250,7 +1254,7 @@ size_t Core::live_blocks() const {
 
 size_t Core::memory_bytes() const {
   size_t n = pt_.pages.capacity() * sizeof(Page) + index_.blocks.capacity() * sizeof(Block) +
-             index_.pages.capacity() * sizeof(int32_t) + index_.table_bytes();
+             index_.pages.capacity() * sizeof(int32_t) + index_.table_bytes() + kv_events_.memory_bytes();
   for (auto& t : owners_)
     for (auto& o : t) n += o.capacity() * sizeof(int32_t);
   return n;

@@ -189,6 +189,7 @@ class Core {
 
   // -- KV events (kv_events.hpp) ----------------------------------------------------
   void set_kv_events(bool on) { kv_events_.on = on; kv_events_.tpb = tpb_; }
+  int32_t tokens_per_block() const { return tpb_; }
   // Tokens of the sequence's key positions [first, first + n) (n * tokens_per_block),
   // given to the blocks that commit publishes for their STORED entries; a no-op while
   // events are off. Positions after a gap in what was given get none.

@@ -13,11 +13,12 @@
 //   (tier, life cycle), exactly the set of published pages' block hashes;
 // - a STORED entry's `token_at` indexes `tokens` (tpb tokens) or is -1 when
 //   the block's tokens are unknown (a block_keys= sequence, a recovered page);
-// - `block_has[b]` is true only while block id b holds the tokens written for
-//   it: a block id is reset (forget) whenever the index creates it anew.
+// - a block id's tokens are "known" only while they were written for it: the
+//   id is reset (forget) whenever the index creates it anew.
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -62,35 +63,51 @@ class KvEventLog {
   int32_t tpb = 0;
   std::vector<KvEvent> events;          // [head, size) not yet taken
   size_t head = 0;
-  std::vector<int32_t> tokens;          // tpb per STORED entry that has them
-
-  // Per block id: its tokens (tpb each) and whether they are known.
-  std::vector<int32_t> block_tokens;
-  std::vector<uint8_t> block_has;
+  std::vector<int32_t> tokens;          // tpb per STORED entry that has them, from `token_at`
 
   void forget(int32_t b) {
-    if (on && size_t(b) < block_has.size()) block_has[size_t(b)] = 0;
+    if (on && size_t(b) < has_.size()) has_[size_t(b)] = 0;
   }
+  // Block b's tokens. Stored in chunks of kChunk blocks, allocated as ids reach them: the
+  // table grows without ever moving (no stall at a doubling), and costs nothing with events off.
   void set_tokens(int32_t b, const int32_t* toks) {
-    size_t need = size_t(b) + 1;
-    if (block_has.size() < need) {
-      size_t n = std::max(need, block_has.size() * 2);
-      block_has.resize(n, 0);
-      block_tokens.resize(n * size_t(tpb), 0);
-    }
-    std::memcpy(&block_tokens[size_t(b) * tpb], toks, sizeof(int32_t) * size_t(tpb));
-    block_has[size_t(b)] = 1;
+    size_t chunk = size_t(b) / kChunk;
+    if (chunks_.size() <= chunk) chunks_.resize(chunk + 1);
+    if (chunks_[chunk].empty()) chunks_[chunk].resize(kChunk * size_t(tpb));
+    if (has_.size() <= size_t(b)) has_.resize((chunk + 1) * kChunk, 0);
+    std::memcpy(&chunks_[chunk][(size_t(b) % kChunk) * size_t(tpb)], toks, sizeof(int32_t) * size_t(tpb));
+    has_[size_t(b)] = 1;
   }
+  bool has_tokens(int32_t b) const { return size_t(b) < has_.size() && has_[size_t(b)]; }
+  const int32_t* block_tokens(int32_t b) const {
+    return &chunks_[size_t(b) / kChunk][(size_t(b) % kChunk) * size_t(tpb)];
+  }
+
   size_t pending() const { return events.size() - head; }
-  void consumed(size_t n) {             // the first n pending entries were taken
+  // The first n pending entries were taken. Taken entries (and their tokens) are let go
+  // once they are half the log, so a log that never empties stays bounded by what is pending.
+  void consumed(size_t n) {
     head += n;
     if (head == events.size()) {
       events.clear();
       tokens.clear();
       head = 0;
+    } else if (head >= 4096 && head * 2 >= events.size()) {
+      size_t first_token = tokens.size();
+      for (size_t i = head; i < events.size(); ++i)
+        if (events[i].token_at >= 0) { first_token = size_t(events[i].token_at); break; }
+      for (size_t i = head; i < events.size(); ++i)
+        if (events[i].token_at >= 0) events[i].token_at -= int32_t(first_token);
+      events.erase(events.begin(), events.begin() + std::ptrdiff_t(head));
+      tokens.erase(tokens.begin(), tokens.begin() + std::ptrdiff_t(first_token));
+      head = 0;
     }
   }
-  bool has_tokens(int32_t b) const { return size_t(b) < block_has.size() && block_has[size_t(b)]; }
+  size_t memory_bytes() const {
+    size_t n = events.capacity() * sizeof(KvEvent) + tokens.capacity() * sizeof(int32_t) + has_.capacity();
+    for (auto& c : chunks_) n += c.capacity() * sizeof(int32_t);
+    return n;
+  }
 
   void push(KvEventKind kind, int tier, int lc, int32_t block, const Key& key, const Key* parent) {
     KvEvent e;
@@ -101,13 +118,19 @@ class KvEventLog {
     e.tier = int8_t(tier);
     e.lc = uint8_t(lc);
     e.token_at = -1;
-    if (kind == KV_STORED && has_tokens(block)) {
+    // token_at is 32-bit: with the log compacted as it is taken, pending tokens stay far below 2**31
+    if (kind == KV_STORED && has_tokens(block) && tokens.size() + size_t(tpb) <= size_t(INT32_MAX)) {
       e.token_at = int32_t(tokens.size());
-      const int32_t* t = &block_tokens[size_t(block) * tpb];
+      const int32_t* t = block_tokens(block);
       tokens.insert(tokens.end(), t, t + tpb);
     }
     events.push_back(e);
   }
+
+ private:
+  static constexpr size_t kChunk = size_t(1) << 16;
+  std::vector<std::vector<int32_t>> chunks_;   // block tokens, kChunk blocks per chunk
+  std::vector<uint8_t> has_;                   // per block id: its tokens are known
 };
 
 }  // namespace kvtier
