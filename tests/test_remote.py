@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from redis_servers import REDIS_CLI, REDIS_SERVER, RedisClusterProcs, RedisServer, free_port
+from runtime.tools.redis_servers import REDIS_CLI, REDIS_SERVER, RedisClusterProcs, RedisServer, free_port
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 redis = pytest.importorskip("redis")

@@ -1,4 +1,4 @@
-"""Throwaway ``redis-server`` processes for the remote tier's tests.
+"""Throwaway ``redis-server`` processes for the remote tier's tests and benchmarks.
 
 Every server listens on 127.0.0.1 only, on a port the kernel hands out (never
 a fixed one), keeps nothing on disk (``--save "" --appendonly no``) and runs
