@@ -13,6 +13,9 @@ import pytest
 from runtime import EventsConfig, Store
 from runtime.core import Core
 from runtime.events import default_topic
+from runtime.tools.demo import bundled_trace
+from runtime.tools.replay import replay
+from runtime.tools.trace import read_trace
 from tiers.errors import ConfigError, UsageError
 
 from helpers import config, fill, prefill_keys, two_life_cycles
@@ -333,6 +336,8 @@ async def test_a_zmq_subscriber_and_a_late_joiner_reach_the_store_s_index(tmp_pa
                 seqs.append(n)
                 live_index.apply(msgpack.unpackb(payload))
             await run_workload(store, None, seed=6, n=80)
+            requests, _ = read_trace(bundled_trace(), 120)        # a slice of the bundled Mooncake trace
+            await replay(store, requests, content=True, verify=True, concurrency=4)
             await store.drain()
             store.kv_events.flush()
             await asyncio.sleep(0.05)
