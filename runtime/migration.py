@@ -83,6 +83,7 @@ class Batch:
     lcs: list[int]                      # life cycle per page
     deps: set                           # the pages' ready events (few distinct: one per batch that placed them)
     records: Callable[[], np.ndarray]   # their disk journal records (called on the loop, for writes to disk)
+    tee: Callable[[torch.Tensor], None] | None = None   # GPU->host: gets a copy of the landed cold rows
 
     def __len__(self) -> int:
         return len(self.src_slots)
@@ -237,6 +238,11 @@ class MigrationEngine:
                         rows = gather(hot.tensor, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
                 ev = await self._stage(busy, self.down, job, deps, inline=small)
+                if batch.tee is not None:       # the landed rows, copied while the claim still holds the slots
+                    out = torch.empty((n_pages, cold_bytes), dtype=torch.uint8)
+                    await self._stage(busy, self.down, lambda: gather(dst, dst_slots, host_dev, out=out), [ev],
+                                      inline=small)
+                    batch.tee(out)
             else:
                 records = batch.records()
                 with self.staging.borrow(n_pages, cold_bytes) as buf:

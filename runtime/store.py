@@ -37,10 +37,11 @@ from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .loop import short_switch_interval
 from .migration import Batch, MigrationEngine
-from .pages import DISK, GPU, TIER_NAMES
+from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import wait_events
 from .reclaim import Reclaimer
 from .recovery import index_recovered, persist
+from .remote import RemoteLink
 from .sequence import Sequence
 from .views import IndexView
 
@@ -92,6 +93,8 @@ class Store:
         self.disk_full_dropped = 0         # ... and the evicted pages dropped instead
         self._disk_full_logged = float("-inf")
         self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
+        self.remote = RemoteLink(self, cfg.remote) if cfg.remote is not None else None
+        self._recounted = [0, 0, 0, 0]     # lookups and hits of first opens that a remote import re-matched
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -136,6 +139,8 @@ class Store:
                 self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:
                 await index_recovered(self)     # the core is rebuilt off the loop: nothing may use it meanwhile
+        if self.remote is not None:
+            await self.remote.open()            # an unreachable server is a tier with its circuit open
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
@@ -204,6 +209,9 @@ class Store:
                 await persist(self)
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
+        if self.remote is not None:
+            await self._wait_tasks()            # write-through started by persisting
+            await self.remote.close()
         if self.kv_events is not None and self.core is not None:
             await self.kv_events.stop()         # the last batches, persisting's moves included
         self.closed = True
@@ -291,9 +299,30 @@ class Store:
                     raise UsageError(str(exc)) from None
         if token_arr is not None and self.kv_events is not None:
             self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+        remote = 0
+        if self.remote is not None and matched < len(keys):
+            try:
+                remote = await self.remote.extend_match(sid, keys, matched)
+            except BaseException:
+                if not self.closed:
+                    self.core.close(sid)
+                raise
+            self._check()
+            if remote:                      # matched again, over the imported blocks
+                self.core.close(sid)
+                self._recounted[0] += len(keys)
+                for t in range(3):
+                    self._recounted[1 + t] += by_tier[t]
+                sid, matched, by_tier = self.core.open(keys, priority)
+                self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
+                if token_arr is not None and self.kv_events is not None:
+                    self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
         seq = Sequence(self, sid, keys, token_arr, priority)
         seq.matched_blocks = matched
         seq.matched_by_tier = dict(zip(TIER_NAMES, by_tier))
+        if self.remote is not None:
+            seq.matched_by_tier["host"] -= min(remote, seq.matched_by_tier["host"])
+            seq.matched_by_tier["remote"] = remote
         return seq
 
     # -- running sequence operations so that cancellation leaks nothing ----------------------
@@ -692,6 +721,12 @@ class Store:
         fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
         self._sync()
         job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)), lambda: self.records(batch))
+        if self.remote is not None and src_tier == GPU and dst_tier == HOST:
+            if self.remote.wants(len(src_slots) * self.engine.cold_bytes[g]):
+                records = self.records(batch)           # now: the claim keeps these pages as they are
+                job.tee = lambda rows: self.remote.write_through(records, rows)
+            else:
+                self.remote.skipped_pages += len(src_slots)
         try:
             ev = await self.engine.run(job, dst_tier, g, dst_slots, fences)
         except BaseException as exc:
@@ -747,6 +782,14 @@ class Store:
             out["disk"] = dict(self.disk.stats)
         if self.kv_events is not None:
             out["events"] = self.kv_events.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
+            out["lookup_blocks"] -= self._recounted[0]
+            for t, name in enumerate(TIER_NAMES):
+                out["hits"][name] -= self._recounted[1 + t]
+                if name in out["tiers"]:
+                    out["tiers"][name]["hits"] = out["hits"][name]
+            out["hits"]["remote"] = self.remote.imported_blocks
         return out
 
     # -- KV events (runtime/events.py) ------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from .codecs import DTYPES, get_codec
 from .errors import ConfigError
 from .grouping import DISK, GPU, HOST, Layout, split_quota
+from .remote import RemoteSettings
 from .layers import LayerSpec, build_life_cycles, parse_layer_ids
 from .policy import ReusePolicy
 
@@ -142,6 +143,7 @@ class StoreConfig:
     default_priority: int = 35
     persist_on_close: bool = True   # spill committed GPU/host pages to disk at close
     events: EventsConfig | None = None  # KV events for routers; off when None
+    remote: RemoteSettings | None = None    # [tiers.remote]: a Redis/Valkey store shared by many stores
     layout: Layout = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +161,12 @@ class StoreConfig:
             if not isinstance(self.events, EventsConfig):
                 raise ConfigError("events", "must be an EventsConfig")
             self.events.check()
+        if self.remote is not None:
+            if not isinstance(self.remote, RemoteSettings):
+                raise ConfigError("tiers.remote", "must be a RemoteSettings")
+            self.remote.validate()
+            if self.host is None:
+                raise ConfigError("tiers.remote", "needs a host tier: remote pages are fetched into host slots")
         _check_type(self.gpu.device, (str,), "tiers.gpu.device", "a string")
         if self.host is not None:
             _check_type(self.host.codec, (str,), "tiers.host.codec", "a string")
@@ -259,12 +267,14 @@ class StoreConfig:
         if not isinstance(raw_tiers, Mapping):
             raise ConfigError("tiers", "must be a table")
         tiers = dict(raw_tiers)
-        _reject_unknown(tiers, {GPU, HOST, DISK}, "tiers.")
+        _reject_unknown(tiers, {GPU, HOST, DISK, "remote"}, "tiers.")
         if GPU not in tiers:
             raise ConfigError("tiers.gpu", "the gpu tier is required")
         gpu = _tier(GpuConfig, tiers[GPU], "tiers.gpu")
         host = _tier(HostConfig, tiers[HOST], "tiers.host") if HOST in tiers else None
         disk = _tier(DiskConfig, tiers[DISK], "tiers.disk") if DISK in tiers else None
+        if "remote" in tiers:
+            d["remote"] = _remote(tiers["remote"])
         if disk is not None and isinstance(disk.path, str) and disk.path:
             disk.path = os.path.join(base_dir, os.path.expanduser(disk.path))
         raw_layers = d.pop("layers", None)
@@ -303,6 +313,48 @@ def _reject_unknown(d: Mapping[str, Any], allowed: set[str], prefix: str) -> Non
     for k in d:
         if k not in allowed:
             raise ConfigError(f"{prefix}{k}", f"unknown field (expected one of {', '.join(sorted(allowed))})")
+
+
+_DURATION = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration_ms(value: Any, field: str) -> int | None:
+    """``"24h"``, ``"90s"``, ``"500ms"`` or a number of seconds; 0 or "none": no expiry."""
+    if value in (0, "none"):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return max(1, int(value * 1000))
+    if isinstance(value, str):
+        for unit in sorted(_DURATION, key=len, reverse=True):
+            num = value.strip()[:-len(unit)].strip()
+            if value.strip().endswith(unit) and num.replace(".", "", 1).isdigit() and float(num) > 0:
+                return max(1, int(float(num) * _DURATION[unit] * 1000))
+    raise ConfigError(field, f"expected a duration such as '24h', '90s' or seconds, got {value!r}")
+
+
+def _remote(raw: Any) -> RemoteSettings:
+    """``[tiers.remote]``: TOML spellings into the backend's settings."""
+    field = "tiers.remote"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(field, "must be a table")
+    raw = dict(raw)
+    _reject_unknown(raw, {"url", "urls", "cluster", "namespace", "ttl", "max_inflight_bytes", "connect_timeout",
+                          "timeout", "write", "breaker_failures", "breaker_cooldown"}, field + ".")
+    write = raw.pop("write", "through")
+    if write != "through":
+        raise ConfigError(f"{field}.write", f"only 'through' is built (pages are written as they reach the "
+                          f"host tier), got {write!r}")
+    kw: dict[str, Any] = {k: raw.pop(k) for k in ("url", "urls", "cluster", "namespace", "connect_timeout",
+                                                   "breaker_failures", "breaker_cooldown") if k in raw}
+    if "ttl" in raw:
+        kw["ttl_ms"] = _duration_ms(raw.pop("ttl"), f"{field}.ttl")
+    if "timeout" in raw:
+        kw["op_timeout"] = raw.pop("timeout")
+    if "max_inflight_bytes" in raw:
+        kw["max_inflight_bytes"] = parse_size(raw.pop("max_inflight_bytes"), f"{field}.max_inflight_bytes")
+    settings = RemoteSettings(**kw)
+    settings.validate()
+    return settings
 
 
 def _tier(cls, raw: Any, field: str):

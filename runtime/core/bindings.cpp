@@ -392,6 +392,7 @@ NB_MODULE(_core, m) {
              }
              return forget;
            })
+      .def("import_pages", &Core::import_pages, "seq"_a, "first"_a, "n"_a, "tier"_a, "slots"_a)
       // -- KV events (kv_events.hpp)
       .def("set_kv_events", &Core::set_kv_events, "on"_a)
       .def("set_tokens", [](Core& c, int32_t s, int32_t first,

@@ -705,6 +705,56 @@ void Core::adopt(int32_t node, int32_t s, int32_t i) {
   }
 }
 
+int32_t Core::import_pages(int32_t s, int32_t first, int32_t n, int tier, const std::vector<Ids>& slots) {
+  Seq& q = live_seq(s);
+  require(tier == HOST && !allocs_[HOST].empty(), "import_pages: pages are imported into the host tier");
+  require(first >= 0 && n >= 0 && size_t(first) + size_t(n) <= q.keys.size() && size_t(first) <= q.blocks.size(),
+          "import_pages: blocks beyond the sequence's keys, or after a gap in its blocks");
+  require(int(slots.size()) == n_lcs(), "import_pages: one slot list per life cycle");
+  for (int lc = 0; lc < n_lcs(); ++lc) {
+    require(slots[size_t(lc)].size() >= size_t(n), "import_pages: a slot per block and life cycle");
+    for (int32_t i = 0; i < n; ++i) {
+      int32_t slot = slots[size_t(lc)][size_t(i)];
+      if (slot < 0 || lcs_[lc].reuse == PRIVATE) continue;
+      int32_t g = group_of_[HOST][lc];
+      require(slot < allocs_[HOST][g].capacity() && !allocs_[HOST][g].is_free(slot) && owners_[HOST][g][slot] < 0,
+              "import_pages: a slot that is not allocated, or owned");
+    }
+  }
+  int32_t parent = first ? q.blocks[size_t(first) - 1] : -1;
+  if (parent >= 0 && !index_.blocks[parent].indexed) return 0;
+  for (int32_t i = 0; i < n; ++i) {
+    int32_t pos = first + i;
+    const Key& key = q.keys[size_t(pos)];
+    int32_t node = index_.find(key);
+    if (node >= 0 && (index_.blocks[node].parent != parent || index_.blocks[node].depth != pos)) return i;
+    for (int lc = 0; lc < n_lcs(); ++lc) {
+      if (lcs_[lc].reuse == PRIVATE) continue;
+      if (slots[size_t(lc)][size_t(i)] < 0) return i;                       // not fetched: the run ends here
+      if (node >= 0 && index_.page(node, lc) >= 0) return i;               // held already: nothing to import
+    }
+    if (node < 0) {
+      node = index_.create(parent, pos);
+      kv_events_.forget(node);
+      Block& b = index_.blocks[node];
+      b.key = key;
+      b.has_key = true;
+      index_.insert(node);
+      give_tokens(q, pos, node);
+    }
+    for (int lc = 0; lc < n_lcs(); ++lc) {
+      if (lcs_[lc].reuse == PRIVATE) continue;
+      int32_t id = new_page(node, lc, HOST, group_of_[HOST][lc], slots[size_t(lc)][size_t(i)], q.priority);
+      index_.page(node, lc) = id;
+      pt_[id].stamp = ++clock_;
+      publish(id);
+      requeue(id);
+    }
+    parent = node;
+  }
+  return n;
+}
+
 int32_t Core::commit(int32_t s, int32_t n) {
   Seq& q = live_seq(s);
   bool all_new;                   // no key from committed to n is indexed or repeated: no lookups below

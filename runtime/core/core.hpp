@@ -139,6 +139,16 @@ class Core {
   Ids ready_events(int32_t s);                    // distinct ready events of the needed pages
   Ids prefetch_pages(int32_t s);                  // needed, live, cold, unclaimed
 
+  // Pages fetched from outside the store (the remote tier) into host slots the caller
+  // allocated: blocks [first, first + n) of sequence s, continuing its match (block
+  // first - 1 is indexed), life cycle lc's page at slots[lc][i] (PRIVATE life cycles
+  // ignored). Creates the blocks the index lacks and publishes the pages, queued as
+  // evictable. Stops at the first block it cannot take whole (a page not fetched, a
+  // block already holding one, a key indexed elsewhere): returns how many it took; the
+  // slots of the rest are the caller's to give back. The sequence must be opened again
+  // to match the new blocks.
+  int32_t import_pages(int32_t s, int32_t first, int32_t n, int tier, const std::vector<Ids>& slots);
+
   // Publishes blocks [0, n). Returns -1, or (nothing changed) the first
   // position whose key is already indexed at another position or repeated.
   int32_t commit(int32_t s, int32_t n);

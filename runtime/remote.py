@@ -1,0 +1,169 @@
+"""The Store's side of the remote tier (``tiers/remote.py``): what lets a page
+written by one store be a hit for another.
+
+- **Lookup at open.** Where the local match stops, one pipelined existence
+  query for the next blocks' pages (every life cycle that is not PRIVATE);
+  the run found is fetched in one round trip straight into host slots and
+  the core publishes it there (``Core.import_pages``). The sequence is then
+  matched again, so the rest of the request sees ordinary host hits.
+- **Write-through as pages leave the GPU.** A GPU->host move copies its
+  cold rows once more, after they landed (``Batch.tee``), and a background
+  task writes the committed ones with ``NX``, bounded by
+  ``max_inflight_bytes`` (past the bound a batch is skipped and counted,
+  never waited for). Every page that leaves the GPU passes through the host
+  tier, so every evicted committed page reaches the remote tier.
+
+Every remote failure is a miss (the backend counts it); nothing here raises
+into a request because the server is slow, gone or lying.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import msgpack
+import numpy as np
+
+from tiers.errors import OutOfPagesError
+from tiers.journal import TAG_ANONYMOUS
+from tiers.native import copy_rows
+from tiers.policy import ReusePolicy
+from tiers.remote import RemoteSettings, RemoteTier, block_key_bytes
+
+from .pages import HOST
+
+if TYPE_CHECKING:
+    import torch
+
+    from .store import Store
+
+log = logging.getLogger("kvtier")
+MAX_LOOKUP_BLOCKS = 4096            # blocks past the local match one open asks the server about
+_KEY17 = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("tag", "u1")])    # block_key_bytes' layout, packed
+
+
+class RemoteLink:
+    def __init__(self, store: "Store", settings: RemoteSettings) -> None:
+        self.store, self.settings = store, settings
+        self.tier: RemoteTier | None = None
+        self.lcs = [lc.index for lc in store.lcs if lc.reuse is not ReusePolicy.PRIVATE]
+        self.inflight = 0
+        self.imported_blocks = 0
+        self.written_pages = 0
+        self.skipped_pages = 0          # write-through past max_inflight_bytes
+
+    async def open(self) -> None:
+        store = self.store
+        fingerprint = msgpack.packb(store.layout.fingerprint(store.tpb, store.cfg.hash_salt))
+        self.tier = await RemoteTier.open(self.settings, fingerprint)
+
+    async def close(self) -> None:
+        if self.tier is not None:
+            await self.tier.close()
+
+    # -- reads ------------------------------------------------------------------------------
+    async def extend_match(self, sid: int, keys: list, matched: int) -> int:
+        """Import the remote run after the local match of sequence ``sid``: how many blocks."""
+        store, tier = self.store, self.tier
+        n = min(len(keys) - matched, MAX_LOOKUP_BLOCKS)
+        if n <= 0 or tier is None or not self.lcs or tier.stats()["circuit"] == "open":
+            return 0
+        per = len(self.lcs)
+        idents = [(bk, lc) for bk in map(block_key_bytes, keys[matched:matched + n]) for lc in self.lcs]
+        have = await tier.exists(tier.page_keys(idents))
+        missing = [i for i, ok in enumerate(have) if not ok]
+        run = (missing[0] // per) if missing else n
+        if run == 0 or store.closed:
+            return 0
+        core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
+        per_group: dict[int, int] = {}
+        for g in groups:
+            per_group[g] = per_group.get(g, 0) + 1
+        # at most half of each host group: the import must not evict what this request needs
+        run = min([run] + [core.capacity(HOST, g) // (2 * k) for g, k in per_group.items()])
+        if run <= 0:
+            return 0
+        counts = {g: run * k for g, k in per_group.items()}
+        try:
+            slots = await store._obtain_many(HOST, counts)  # evicts (and cascades) as a promotion would
+        except OutOfPagesError:                             # the host tier is all locked or in flight: a miss
+            return 0
+        try:
+            ok = await self._fetch(idents[:run * per], groups, slots)
+            by_lc = [[-1] * run for _ in store.lcs]       # PRIVATE life cycles stay -1
+            taken = dict.fromkeys(counts, 0)
+            for idx in range(run * per):                  # ident order: the k-th page of group g has slots[g][k]
+                i, j = divmod(idx, per)
+                g = groups[j]
+                if ok[idx]:
+                    by_lc[self.lcs[j]][i] = slots[g][taken[g]]
+                taken[g] += 1
+            imported = 0 if store.closed else core.import_pages(sid, matched, run, HOST, by_lc)
+        except BaseException:
+            for g, s in slots.items():
+                core.give_back(HOST, g, s)
+            raise
+        for g, s in slots.items():                        # groups have their own slot numbers: per group
+            mine = {by_lc[lc][i] for j, lc in enumerate(self.lcs) if groups[j] == g for i in range(imported)}
+            rest = [x for x in s if x not in mine]
+            if rest:
+                core.give_back(HOST, g, rest)
+        self.imported_blocks += imported
+        return imported
+
+    async def _fetch(self, idents: list, groups: list[int], slots: dict[int, list[int]]) -> list[bool]:
+        """Each ident's page into its host slot (the i-th page of group g into slots[g][i], in
+        ident order); one get per host group (a round trip per server node each)."""
+        store, tier = self.store, self.tier
+        per = len(self.lcs)
+        ok = [False] * len(idents)
+        for g in sorted(set(groups)):
+            mine = [i for i in range(len(idents)) if groups[i % per] == g]
+            width = store.engine.cold_bytes[g]
+            out = np.empty((len(mine), width), dtype=np.uint8)
+            got = await tier.get(tier.page_keys([idents[i] for i in mine]), [idents[i] for i in mine], out)
+            good = [k for k, hit in enumerate(got) if hit]
+            if good and not store.closed:
+                slab = store.slabs[HOST][g].tensor.numpy()
+                dst = np.asarray(slots[g], dtype=np.int64)[good]
+                copy_rows(out, np.asarray(good, dtype=np.int64), slab, dst)
+                for k in good:
+                    ok[mine[k]] = True
+        return ok
+
+    # -- writes -----------------------------------------------------------------------------
+    def wants(self, nbytes: int) -> bool:
+        """Whether a batch of ``nbytes`` may be written through now (else it is skipped)."""
+        return self.tier is not None and self.inflight + nbytes <= self.settings.max_inflight_bytes
+
+    def write_through(self, records: np.ndarray, rows: "torch.Tensor") -> None:
+        """Pages that just reached the host tier (their journal records and cold rows):
+        the committed ones go to the server in the background."""
+        keep = records["ktag"] != TAG_ANONYMOUS
+        if not keep.any():
+            return
+        recs = records[keep]
+        data = rows.numpy()[keep] if not keep.all() else rows.numpy()
+        packed = np.empty(len(recs), dtype=_KEY17)
+        packed["lo"], packed["hi"], packed["tag"] = recs["key_lo"], recs["key_hi"], recs["ktag"]
+        raw = packed.tobytes()
+        idents = [(raw[i * 17:i * 17 + 17], lc) for i, lc in enumerate(recs["lc"].tolist())]
+        nbytes = data.nbytes
+        self.inflight += nbytes
+        self.store._spawn(self._put(idents, data, nbytes))
+
+    async def _put(self, idents: list, data: np.ndarray, nbytes: int) -> None:
+        try:
+            tier = self.tier
+            self.written_pages += await tier.put(tier.page_keys(idents), idents, data, skip_existing=True)
+        except Exception as exc:      # noqa: BLE001 - a write is best effort; the backend counts failures
+            log.warning("remote tier: a write-through failed: %r", exc)
+        finally:
+            self.inflight -= nbytes
+
+    def stats(self) -> dict:
+        out = dict(self.tier.stats()) if self.tier is not None else {}
+        out.update(imported_blocks=self.imported_blocks, written_pages=self.written_pages,
+                   skipped_pages=self.skipped_pages, inflight_bytes=self.inflight)
+        return out

@@ -1,0 +1,129 @@
+"""The remote tier through the Store (issue 13): pages one store writes through
+are hits, bit-exact, for another store (another process too) with the same
+layout and salt, and never for any other; a dead server is a miss."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runtime import Store
+from runtime.tools.redis_servers import REDIS_SERVER, RedisServer
+from tiers.errors import ConfigError
+from tiers.remote import RemoteSettings
+
+from helpers import config, expected_block, fill, read_block, write_blocks
+
+pytest.importorskip("redis")
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server (apt-get install redis-server)")
+
+
+@pytest.fixture
+def server(tmp_path):
+    with RedisServer(tmp_path / "redis") as s:
+        yield s
+
+
+def remote_cfg(url: str, **kw):
+    return config(gpu=8, host=32, remote=RemoteSettings(url=url, namespace="t", op_timeout=2.0), **kw)
+
+
+def prompt(i: int, blocks: int = 6) -> list[int]:
+    return [i * 1000 + t for t in range(4 * blocks)]
+
+
+async def write_some(store: Store, n: int = 6) -> None:
+    for i in range(n):
+        await fill(store, prompt(i))
+    for i in range(n, n + 6):                   # push the first ones off the GPU: write-through on the way
+        await fill(store, prompt(i))
+    await store.drain()
+
+
+async def check_hits(store: Store, n: int = 6) -> int:
+    remote = 0
+    for i in range(n):
+        seq = await store.open_sequence(tokens=prompt(i))
+        try:
+            remote += seq.matched_by_tier["remote"]
+            await seq.acquire()
+            for b in range(seq.matched_blocks):
+                assert (read_block(store, seq, 0, b) == expected_block(store, seq, 0, b)).all(), (i, b)
+        finally:
+            await seq.close()
+    store.check_consistency()
+    return remote
+
+
+async def test_a_second_store_hits_what_the_first_wrote_through(server):
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+        st = a.stats()["remote"]
+        assert st["written_pages"] > 0 and st["circuit"] == "closed"
+    async with Store.open(remote_cfg(server.url)) as b:
+        remote = await check_hits(b)
+        st = b.stats()
+        assert remote > 0 and st["remote"]["imported_blocks"] == remote
+        assert st["hits"]["remote"] == remote and st["lookup_blocks"] == 6 * 6
+        assert sum(st["hits"].values()) == remote       # a fresh store: every hit came from the server
+
+
+async def test_another_process_reads_them_bit_exact(server, tmp_path):
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from runtime import Store
+        from test_remote_store import remote_cfg, check_hits
+        async def main():
+            async with Store.open(remote_cfg({server.url!r})) as b:
+                print(await check_hits(b))
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip().splitlines()[-1]) > 0
+
+
+async def test_another_salt_or_layout_never_shares(server):
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    async with Store.open(remote_cfg(server.url, hash_salt=b"other")) as b:
+        assert await check_hits(b) == 0
+    async with Store.open(remote_cfg(server.url, tpb=8)) as b:
+        seq = await b.open_sequence(tokens=prompt(0))
+        assert seq.matched_by_tier["remote"] == 0
+        await seq.close()
+
+
+async def test_a_dead_server_is_a_miss_and_corrupt_values_are_never_data(server):
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    import redis
+    raw = redis.Redis.from_url(server.url)
+    keys = raw.keys("t:*")
+    assert keys
+    for k in keys[::2]:                          # flip a payload byte in every other value
+        v = bytearray(raw.get(k))
+        v[-1] ^= 0xFF
+        raw.set(k, bytes(v))
+    raw.close()
+    async with Store.open(remote_cfg(server.url)) as b:
+        await check_hits(b)                      # every served byte checked against its pattern
+        assert b.stats()["remote"]["misses"]["corrupt"] > 0
+    server.kill()
+    async with Store.open(remote_cfg(server.url)) as c:
+        assert await check_hits(c) == 0
+        await fill(c, prompt(50))                # requests go on
+        st = c.stats()["remote"]
+        assert st["circuit"] in ("open", "half_open") and sum(st["failures"].values()) > 0
+
+
+def test_config_needs_a_host_tier():
+    with pytest.raises(ConfigError, match="tiers.remote"):
+        config(gpu=8, remote=RemoteSettings(url="redis://127.0.0.1:1/0"))
