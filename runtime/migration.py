@@ -164,7 +164,7 @@ def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, ds
 
 class MigrationEngine:
     __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
-                 "io_read", "stats", "latency", "fault")
+                 "io_read", "tee", "stats", "latency", "fault")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
                  cold_bytes: Sequence[int]) -> None:
@@ -179,13 +179,14 @@ class MigrationEngine:
         self.up = device.new_stream("kvtier-h2d")
         self.io_write = HostStream("kvtier-disk-write")
         self.io_read = HostStream("kvtier-disk-read")
+        self.tee = HostStream("kvtier-remote-tee")     # write-through copies: off the loop, beside the copies
         self.stats = MoveStats()
         self.latency = MoveLatency()         # per-batch wall time by direction, for metrics
         self.staging = StagingPool(lambda n: device.host_empty(1, n, zero=False).view(-1), STAGING_IDLE_BYTES)
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
     def close(self) -> None:
-        for s in (self.down, self.up, self.io_write, self.io_read):
+        for s in (self.down, self.up, self.io_write, self.io_read, self.tee):
             s.close()
         self.staging.clear()
 
@@ -240,8 +241,7 @@ class MigrationEngine:
                 ev = await self._stage(busy, self.down, job, deps, inline=small)
                 if batch.tee is not None:       # the landed rows, copied while the claim still holds the slots
                     out = torch.empty((n_pages, cold_bytes), dtype=torch.uint8)
-                    await self._stage(busy, self.down, lambda: gather(dst, dst_slots, host_dev, out=out), [ev],
-                                      inline=small)
+                    await self._stage(busy, self.tee, lambda: gather(dst, dst_slots, host_dev, out=out), [ev])
                     batch.tee(out)
             else:
                 records = batch.records()
@@ -253,6 +253,10 @@ class MigrationEngine:
                             buf.copy_(self._convert(gather(hot.tensor, src_slots, dev), lcs, True, cold_bytes),
                                       non_blocking=True)
                     await self._stage(busy, self.down, job, deps, inline=small)
+                    if batch.tee is not None:   # the cold rows, copied before the staging goes back
+                        out = torch.empty((n_pages, cold_bytes), dtype=torch.uint8)
+                        await self._stage(busy, self.tee, lambda: out.copy_(buf), [])
+                        batch.tee(out)
                     ev = await self._stage(busy, self.io_write,
                                            lambda: self.disk.write(dst_group, list(dst_slots), buf, records), [])
         elif src_tier == HOST:

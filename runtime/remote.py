@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import numpy as np
 
-from tiers.errors import OutOfPagesError
+from tiers.errors import KvtierError
 from tiers.journal import TAG_ANONYMOUS
 from tiers.native import copy_rows
 from tiers.policy import ReusePolicy
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("kvtier")
-MAX_LOOKUP_BLOCKS = 4096            # blocks past the local match one open asks the server about
+MAX_LOOKUP_BLOCKS = 1024            # blocks past the local match one open asks the server about
+PUT_PIECE_BYTES = 8 << 20           # a write-through batch goes out in puts this big (each hashes on the loop)
 _KEY17 = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("tag", "u1")])    # block_key_bytes' layout, packed
 
 
@@ -48,14 +49,14 @@ class RemoteLink:
         self.store, self.settings = store, settings
         self.tier: RemoteTier | None = None
         self.lcs = [lc.index for lc in store.lcs if lc.reuse is not ReusePolicy.PRIVATE]
-        self.inflight = 0
+        self.inflight = 0               # bytes reserved by write-through batches, from the move to the put's end
         self.imported_blocks = 0
         self.written_pages = 0
         self.skipped_pages = 0          # write-through past max_inflight_bytes
 
     async def open(self) -> None:
         store = self.store
-        fingerprint = msgpack.packb(store.layout.fingerprint(store.tpb, store.cfg.hash_salt))
+        fingerprint = msgpack.packb([self.settings.model, store.layout.fingerprint(store.tpb, store.cfg.hash_salt)])
         self.tier = await RemoteTier.open(self.settings, fingerprint)
 
     async def close(self) -> None:
@@ -63,19 +64,27 @@ class RemoteLink:
             await self.tier.close()
 
     # -- reads ------------------------------------------------------------------------------
-    async def extend_match(self, sid: int, keys: list, matched: int) -> int:
-        """Import the remote run after the local match of sequence ``sid``: how many blocks."""
+    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
+        """Import the remote run after the local match of sequence ``sid``: (blocks imported,
+        whether the sequence should be matched again: blocks may have arrived meanwhile)."""
+        try:
+            return await self._extend_match(sid, keys, matched)
+        except (KvtierError, OSError) as exc:      # making room failed (all locked, disk full, I/O): a miss
+            log.debug("remote tier: import skipped: %r", exc)
+            return 0, True
+
+    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
         store, tier = self.store, self.tier
         n = min(len(keys) - matched, MAX_LOOKUP_BLOCKS)
-        if n <= 0 or tier is None or not self.lcs or tier.stats()["circuit"] == "open":
-            return 0
+        if n <= 0 or tier is None or not self.lcs or tier.circuit_state() == "open":
+            return 0, False
         per = len(self.lcs)
         idents = [(bk, lc) for bk in map(block_key_bytes, keys[matched:matched + n]) for lc in self.lcs]
         have = await tier.exists(tier.page_keys(idents))
         missing = [i for i, ok in enumerate(have) if not ok]
         run = (missing[0] // per) if missing else n
         if run == 0 or store.closed:
-            return 0
+            return 0, False
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
         per_group: dict[int, int] = {}
         for g in groups:
@@ -83,12 +92,9 @@ class RemoteLink:
         # at most half of each host group: the import must not evict what this request needs
         run = min([run] + [core.capacity(HOST, g) // (2 * k) for g, k in per_group.items()])
         if run <= 0:
-            return 0
+            return 0, False
         counts = {g: run * k for g, k in per_group.items()}
-        try:
-            slots = await store._obtain_many(HOST, counts)  # evicts (and cascades) as a promotion would
-        except OutOfPagesError:                             # the host tier is all locked or in flight: a miss
-            return 0
+        slots = await store._obtain_many(HOST, counts)      # evicts (and cascades) as a promotion would
         try:
             ok = await self._fetch(idents[:run * per], groups, slots)
             by_lc = [[-1] * run for _ in store.lcs]       # PRIVATE life cycles stay -1
@@ -110,7 +116,7 @@ class RemoteLink:
             if rest:
                 core.give_back(HOST, g, rest)
         self.imported_blocks += imported
-        return imported
+        return imported, True
 
     async def _fetch(self, idents: list, groups: list[int], slots: dict[int, list[int]]) -> list[bool]:
         """Each ident's page into its host slot (the i-th page of group g into slots[g][i], in
@@ -118,30 +124,40 @@ class RemoteLink:
         store, tier = self.store, self.tier
         per = len(self.lcs)
         ok = [False] * len(idents)
-        for g in sorted(set(groups)):
-            mine = [i for i in range(len(idents)) if groups[i % per] == g]
-            width = store.engine.cold_bytes[g]
-            out = np.empty((len(mine), width), dtype=np.uint8)
-            got = await tier.get(tier.page_keys([idents[i] for i in mine]), [idents[i] for i in mine], out)
-            good = [k for k, hit in enumerate(got) if hit]
+        order = sorted(set(groups))
+        mine = {g: [i for i in range(len(idents)) if groups[i % per] == g] for g in order}
+        outs = {g: np.empty((len(mine[g]), store.engine.cold_bytes[g]), dtype=np.uint8) for g in order}
+        # the groups' fetches at once: the request waits one round trip, not one per group
+        got = await asyncio.gather(*(tier.get(tier.page_keys([idents[i] for i in mine[g]]),
+                                              [idents[i] for i in mine[g]], outs[g]) for g in order))
+        for g, hits in zip(order, got):
+            good = [k for k, hit in enumerate(hits) if hit]
             if good and not store.closed:
                 slab = store.slabs[HOST][g].tensor.numpy()
                 dst = np.asarray(slots[g], dtype=np.int64)[good]
-                copy_rows(out, np.asarray(good, dtype=np.int64), slab, dst)
+                await asyncio.to_thread(copy_rows, outs[g], np.asarray(good, dtype=np.int64), slab, dst)
                 for k in good:
-                    ok[mine[k]] = True
+                    ok[mine[g][k]] = True
         return ok
 
     # -- writes -----------------------------------------------------------------------------
-    def wants(self, nbytes: int) -> bool:
-        """Whether a batch of ``nbytes`` may be written through now (else it is skipped)."""
-        return self.tier is not None and self.inflight + nbytes <= self.settings.max_inflight_bytes
+    def reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of write-through for a batch about to leave the GPU; False (the
+        batch is skipped, counted) past ``max_inflight_bytes``: write-through never waits."""
+        if self.tier is None or self.inflight + nbytes > self.settings.max_inflight_bytes:
+            return False
+        self.inflight += nbytes
+        return True
 
-    def write_through(self, records: np.ndarray, rows: "torch.Tensor") -> None:
-        """Pages that just reached the host tier (their journal records and cold rows):
-        the committed ones go to the server in the background."""
+    def release(self, nbytes: int) -> None:
+        self.inflight -= nbytes
+
+    def write_through(self, records: np.ndarray, rows: "torch.Tensor", nbytes: int) -> None:
+        """Pages that just left the GPU (their journal records, their cold rows, the bytes
+        reserved for them): the committed ones go to the server in the background."""
         keep = records["ktag"] != TAG_ANONYMOUS
         if not keep.any():
+            self.release(nbytes)
             return
         recs = records[keep]
         data = rows.numpy()[keep] if not keep.all() else rows.numpy()
@@ -149,18 +165,20 @@ class RemoteLink:
         packed["lo"], packed["hi"], packed["tag"] = recs["key_lo"], recs["key_hi"], recs["ktag"]
         raw = packed.tobytes()
         idents = [(raw[i * 17:i * 17 + 17], lc) for i, lc in enumerate(recs["lc"].tolist())]
-        nbytes = data.nbytes
-        self.inflight += nbytes
         self.store._spawn(self._put(idents, data, nbytes))
 
     async def _put(self, idents: list, data: np.ndarray, nbytes: int) -> None:
+        tier = self.tier
+        step = max(1, PUT_PIECE_BYTES // max(1, data.shape[1]))
         try:
-            tier = self.tier
-            self.written_pages += await tier.put(tier.page_keys(idents), idents, data, skip_existing=True)
+            for a in range(0, len(idents), step):       # pieces: each put hashes its values on the loop
+                part = idents[a:a + step]
+                self.written_pages += await tier.put(tier.page_keys(part), part, data[a:a + step],
+                                                     skip_existing=True)
         except Exception as exc:      # noqa: BLE001 - a write is best effort; the backend counts failures
             log.warning("remote tier: a write-through failed: %r", exc)
         finally:
-            self.inflight -= nbytes
+            self.release(nbytes)
 
     def stats(self) -> dict:
         out = dict(self.tier.stats()) if self.tier is not None else {}

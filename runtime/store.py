@@ -301,14 +301,8 @@ class Store:
             self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
         remote = 0
         if self.remote is not None and matched < len(keys):
-            try:
-                remote = await self.remote.extend_match(sid, keys, matched)
-            except BaseException:
-                if not self.closed:
-                    self.core.close(sid)
-                raise
-            self._check()
-            if remote:                      # matched again, over the imported blocks
+            remote, again = await self._remote_import(sid, keys, matched)
+            if again:                       # matched again, over the imported blocks (or another's)
                 self.core.close(sid)
                 self._recounted[0] += len(keys)
                 for t in range(3):
@@ -324,6 +318,29 @@ class Store:
             seq.matched_by_tier["host"] -= min(remote, seq.matched_by_tier["host"])
             seq.matched_by_tier["remote"] = remote
         return seq
+
+    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
+        """The remote run after sequence ``sid``'s match, imported by a task of the store's
+        own: a caller cancelled meanwhile leaves it to finish (its moves and slots settle),
+        and the sequence is closed then."""
+        task = self._spawn(self.remote.extend_match(sid, keys, matched))
+        try:
+            out = await asyncio.shield(task)
+        except BaseException:
+            def _close_seq(_: asyncio.Task) -> None:
+                if not self.closed:
+                    self.core.close(sid)
+            if task.done():
+                _close_seq(task)
+            else:
+                task.add_done_callback(_close_seq)
+            raise
+        try:
+            self._check()               # the store may have closed meanwhile
+        except BaseException:
+            self.core.close(sid)
+            raise
+        return out
 
     # -- running sequence operations so that cancellation leaks nothing ----------------------
     async def _run_exclusive(self, seq: Sequence, coro: Awaitable, undo: Callable[[Sequence, Any], None]) -> None:
@@ -721,15 +738,25 @@ class Store:
         fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
         self._sync()
         job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)), lambda: self.records(batch))
-        if self.remote is not None and src_tier == GPU and dst_tier == HOST:
-            if self.remote.wants(len(src_slots) * self.engine.cold_bytes[g]):
+        reserved = 0
+        if self.remote is not None and src_tier == GPU:     # leaving the GPU: write-through to the remote tier
+            nbytes = len(src_slots) * self.engine.cold_bytes[g]
+            if self.remote.reserve(nbytes):
+                reserved = nbytes
                 records = self.records(batch)           # now: the claim keeps these pages as they are
-                job.tee = lambda rows: self.remote.write_through(records, rows)
+
+                def tee(rows: torch.Tensor) -> None:
+                    nonlocal reserved
+                    reserved = 0
+                    self.remote.write_through(records, rows, nbytes)
+                job.tee = tee
             else:
                 self.remote.skipped_pages += len(src_slots)
         try:
             ev = await self.engine.run(job, dst_tier, g, dst_slots, fences)
         except BaseException as exc:
+            if reserved:
+                self.remote.release(reserved)
             self.engine.stats.failures[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += 1
             core.give_back(dst_tier, g, dst_slots)
             self._unclaim(batch, exc)

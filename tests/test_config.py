@@ -439,3 +439,27 @@ async def test_a_store_too_big_for_this_machine_fails_to_open_cleanly():
         async with Store.open(cfg):
             pass
     assert e.value.field == "tiers.gpu.quota"
+
+
+def test_remote_tier_from_toml():
+    from tiers.config import StoreConfig
+    base = {"layers": [{"ids": [0], "buffers": {"k": 64}}],
+            "tiers": {"gpu": {"slots": 8, "device": "cpu"}, "host": {"slots": 8}}}
+
+    def remote(**kw):
+        d = {**base, "tiers": {**base["tiers"], "remote": {"url": "redis://127.0.0.1:6379/0", "model": "m", **kw}}}
+        return StoreConfig.from_dict(d)
+    r = remote(ttl="2h", timeout="250ms", connect_timeout=2, breaker_cooldown="5s", max_inflight_bytes="64MiB").remote
+    assert (r.ttl_ms, r.op_timeout, r.connect_timeout, r.breaker_cooldown, r.max_inflight_bytes) == \
+        (7_200_000, 0.25, 2.0, 5.0, 64 << 20)
+    assert remote(ttl=0).remote.ttl_ms is None
+    for kw, field in (({"timeout": -1}, "tiers.remote.timeout"), ({"ttl": True}, "tiers.remote.ttl"),
+                      ({"ttl": float("inf")}, "tiers.remote.ttl"), ({"write": "back"}, "tiers.remote.write"),
+                      ({"model": ""}, "tiers.remote.model"), ({"namespace": "a b"}, "tiers.remote.namespace"),
+                      ({"bogus": 1}, "tiers.remote.bogus"), ({"breaker_failures": 0}, "tiers.remote.breaker_failures")):
+        with pytest.raises(ConfigError) as e:
+            remote(**kw)
+        assert str(e.value).startswith(field), (kw, str(e.value))
+    with pytest.raises(ConfigError, match="needs a host tier"):
+        StoreConfig.from_dict({**base, "tiers": {"gpu": base["tiers"]["gpu"],
+                                                 "remote": {"url": "redis://127.0.0.1:6379/0", "model": "m"}}})

@@ -68,3 +68,13 @@ def test_private_life_cycles_are_not_imported_and_bad_slots_are_refused():
     with pytest.raises(CoreError, match="beyond"):
         c.import_pages(sid, 2, 5, 1, [[0] * 5, [-1] * 5])
     c.check()
+
+
+def test_a_slot_given_twice_is_refused():
+    c = core()
+    sid, _, _ = c.open([1, 2], 35)
+    s = c.allocate(1, 0, 1)[0]
+    with pytest.raises(CoreError, match="twice"):
+        c.import_pages(sid, 0, 2, 1, [[s, s]])
+    c.give_back(1, 0, [s])
+    c.check()

@@ -28,7 +28,7 @@ def server(tmp_path):
 
 
 def remote_cfg(url: str, **kw):
-    return config(gpu=8, host=32, remote=RemoteSettings(url=url, namespace="t", op_timeout=2.0), **kw)
+    return config(gpu=8, host=32, remote=RemoteSettings(url=url, namespace="t", model="m", op_timeout=2.0), **kw)
 
 
 def prompt(i: int, blocks: int = 6) -> list[int]:
@@ -126,4 +126,65 @@ async def test_a_dead_server_is_a_miss_and_corrupt_values_are_never_data(server)
 
 def test_config_needs_a_host_tier():
     with pytest.raises(ConfigError, match="tiers.remote"):
-        config(gpu=8, remote=RemoteSettings(url="redis://127.0.0.1:1/0"))
+        config(gpu=8, remote=RemoteSettings(url="redis://127.0.0.1:1/0", model="m"))
+    with pytest.raises(ConfigError, match="tiers.remote.model"):
+        config(gpu=8, host=8, remote=RemoteSettings(url="redis://127.0.0.1:1/0"))
+
+
+async def test_concurrent_opens_of_one_prefix_all_match_it(server):
+    """The first open imports; the others find the blocks held and are matched again."""
+    import asyncio
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    async with Store.open(remote_cfg(server.url)) as b:
+        seqs = await asyncio.gather(*(b.open_sequence(tokens=prompt(0)) for _ in range(4)))
+        assert [s.matched_blocks for s in seqs] == [6] * 4
+        assert sum(s.matched_by_tier["remote"] for s in seqs) == 6
+        for s in seqs:
+            await s.close()
+        b.check_consistency()
+
+
+async def test_cancelled_opens_leak_nothing(server, tmp_path, monkeypatch):
+    """Opens cancelled while their import waits on the server: slots and sequences settle,
+    later requests and the close (persisting to disk) work."""
+    import asyncio
+    from tiers.remote import RemoteTier
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a, 8)
+    real_get = RemoteTier.get
+
+    async def slow_get(self, *args):
+        await asyncio.sleep(0.02)
+        return await real_get(self, *args)
+    monkeypatch.setattr(RemoteTier, "get", slow_get)
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path,
+                 remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    async with Store.open(cfg) as b:
+        cancelled = 0
+        for i in range(8):
+            try:
+                seq = await asyncio.wait_for(b.open_sequence(tokens=prompt(i)), 0.01)
+                await seq.close()
+            except asyncio.TimeoutError:
+                cancelled += 1
+        assert cancelled >= 4
+        await b.drain()
+        b.check_consistency()
+        for i in range(20, 26):
+            await fill(b, prompt(i))
+        assert await check_hits(b, 8) >= 0
+    async with Store.open(cfg) as b:            # what the close persisted came back
+        assert b.stats()["recovered_pages"] > 0
+
+
+async def test_pages_persisted_at_close_are_written_through(server, tmp_path):
+    """GPU -> disk moves (persisting at close) write through too, not only GPU -> host."""
+    cfg = config(gpu=64, host=32, disk=128, disk_dir=tmp_path,
+                 remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    async with Store.open(cfg) as a:
+        for i in range(4):
+            await fill(a, prompt(i))            # all stay on the GPU until the close
+        assert a.stats()["remote"]["written_pages"] == 0
+    async with Store.open(remote_cfg(server.url)) as b:
+        assert await check_hits(b, 4) == 4 * 6

@@ -165,6 +165,9 @@ class StoreConfig:
             if not isinstance(self.remote, RemoteSettings):
                 raise ConfigError("tiers.remote", "must be a RemoteSettings")
             self.remote.validate()
+            if not self.remote.model:
+                raise ConfigError("tiers.remote.model", "required: the model the pages belong to (stores of "
+                                  "different models with the same layout must never share pages)")
             if self.host is None:
                 raise ConfigError("tiers.remote", "needs a host tier: remote pages are fetched into host slots")
         _check_type(self.gpu.device, (str,), "tiers.gpu.device", "a string")
@@ -320,14 +323,17 @@ _DURATION = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def _duration_ms(value: Any, field: str) -> int | None:
     """``"24h"``, ``"90s"``, ``"500ms"`` or a number of seconds; 0 or "none": no expiry."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a duration such as '24h', '90s' or seconds, got {value!r}")
     if value in (0, "none"):
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, (int, float)) and 0 < value < 10 ** 9:      # under 30 years: finite, and Redis takes it
         return max(1, int(value * 1000))
     if isinstance(value, str):
         for unit in sorted(_DURATION, key=len, reverse=True):
             num = value.strip()[:-len(unit)].strip()
-            if value.strip().endswith(unit) and num.replace(".", "", 1).isdigit() and float(num) > 0:
+            if value.strip().endswith(unit) and num.replace(".", "", 1).isdigit() and \
+                    0 < float(num) * _DURATION[unit] < 10 ** 9:
                 return max(1, int(float(num) * _DURATION[unit] * 1000))
     raise ConfigError(field, f"expected a duration such as '24h', '90s' or seconds, got {value!r}")
 
@@ -339,21 +345,31 @@ def _remote(raw: Any) -> RemoteSettings:
         raise ConfigError(field, "must be a table")
     raw = dict(raw)
     _reject_unknown(raw, {"url", "urls", "cluster", "namespace", "ttl", "max_inflight_bytes", "connect_timeout",
-                          "timeout", "write", "breaker_failures", "breaker_cooldown"}, field + ".")
+                          "timeout", "write", "breaker_failures", "breaker_cooldown", "model"}, field + ".")
     write = raw.pop("write", "through")
     if write != "through":
         raise ConfigError(f"{field}.write", f"only 'through' is built (pages are written as they reach the "
                           f"host tier), got {write!r}")
-    kw: dict[str, Any] = {k: raw.pop(k) for k in ("url", "urls", "cluster", "namespace", "connect_timeout",
-                                                   "breaker_failures", "breaker_cooldown") if k in raw}
+    kw: dict[str, Any] = {k: raw.pop(k) for k in ("url", "urls", "cluster", "namespace", "breaker_failures",
+                                                   "model") if k in raw}
     if "ttl" in raw:
         kw["ttl_ms"] = _duration_ms(raw.pop("ttl"), f"{field}.ttl")
-    if "timeout" in raw:
-        kw["op_timeout"] = raw.pop("timeout")
+    for name, attr in (("timeout", "op_timeout"), ("connect_timeout", "connect_timeout"),
+                       ("breaker_cooldown", "breaker_cooldown")):
+        if name in raw:
+            ms = _duration_ms(raw.pop(name), f"{field}.{name}")
+            if ms is None:
+                raise ConfigError(f"{field}.{name}", "must be positive")
+            kw[attr] = ms / 1000
     if "max_inflight_bytes" in raw:
         kw["max_inflight_bytes"] = parse_size(raw.pop("max_inflight_bytes"), f"{field}.max_inflight_bytes")
     settings = RemoteSettings(**kw)
-    settings.validate()
+    try:
+        settings.validate()
+    except ConfigError as e:            # the backend's field names, spelled as in the TOML
+        names = {"op_timeout": "timeout", "ttl_ms": "ttl"}
+        raise ConfigError(f"{field}.{names.get(e.field.rsplit('.', 1)[-1], e.field.rsplit('.', 1)[-1])}",
+                          e.problem) from None
     return settings
 
 

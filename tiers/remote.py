@@ -115,6 +115,10 @@ _pack = HEADER.pack
 def block_key_bytes(key: int | bytes) -> bytes:
     """The 17-byte form of a block key that :meth:`RemoteTier.page_key` and the idents take:
     ``struct.pack("<QQB", lo, hi, tag)`` of the data plane's (lo, hi, tag) encoding."""
+    if type(key) is bytes and len(key) == 16:          # a token digest, the common case: no detour
+        return key + b"\x10"
+    if type(key) is int and -(1 << 127) <= key < (1 << 127):
+        return key.to_bytes(16, "little", signed=True) + b"\x00"
     from .journal import encode_key
     lo, hi, tag = encode_key(key)
     return struct.pack("<QQB", lo, hi, tag)
@@ -169,9 +173,12 @@ class RemoteSettings:
     op_timeout: float = 0.5           # no exists/get call (and no put pipeline) waits longer than this
     breaker_failures: int = 3         # consecutive failed calls that open the circuit
     breaker_cooldown: float = 2.0     # seconds the circuit stays open before one trial (half-open)
+    model: str = ""                   # the model the pages belong to: part of the Store's fingerprint
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field (``tiers.remote.<field>``)."""
+        if not isinstance(self.model, str):
+            raise ConfigError(f"{_FIELD}.model", f"must be a string, got {self.model!r}")
         if not isinstance(self.cluster, bool):
             raise ConfigError(f"{_FIELD}.cluster", f"must be true or false, got {self.cluster!r}")
         if self.url is not None and self.urls is not None:

@@ -721,6 +721,15 @@ int32_t Core::import_pages(int32_t s, int32_t first, int32_t n, int tier, const 
               "import_pages: a slot that is not allocated, or owned");
     }
   }
+  {
+    std::vector<std::pair<int32_t, int32_t>> seen;     // (group, slot): a slot given twice would have two owners
+    for (int lc = 0; lc < n_lcs(); ++lc)
+      for (int32_t i = 0; i < n; ++i)
+        if (slots[size_t(lc)][size_t(i)] >= 0 && lcs_[lc].reuse != PRIVATE)
+          seen.push_back({group_of_[HOST][lc], slots[size_t(lc)][size_t(i)]});
+    std::sort(seen.begin(), seen.end());
+    require(std::adjacent_find(seen.begin(), seen.end()) == seen.end(), "import_pages: a slot given twice");
+  }
   int32_t parent = first ? q.blocks[size_t(first) - 1] : -1;
   if (parent >= 0 && !index_.blocks[parent].indexed) return 0;
   for (int32_t i = 0; i < n; ++i) {
