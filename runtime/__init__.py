@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tiers.config import DiskConfig, EventsConfig, GpuConfig, HostConfig, StoreConfig
+from tiers.remote import RemoteSettings
 from tiers.errors import (ConfigError, CorruptPageError, DiskFullError, KvtierError, OutOfPagesError,
                           StoreClosedError, TierIOError, UsageError)
 from tiers.layers import LayerSpec
@@ -13,7 +14,7 @@ from .sequence import Sequence
 from .store import Store
 
 __all__ = [
-    "Store", "Sequence", "StoreConfig", "GpuConfig", "HostConfig", "DiskConfig", "EventsConfig", "LayerSpec", "ReusePolicy",
+    "Store", "Sequence", "StoreConfig", "GpuConfig", "HostConfig", "DiskConfig", "EventsConfig", "RemoteSettings", "LayerSpec", "ReusePolicy",
     "load_config", "run", "ConfigError", "CorruptPageError", "DiskFullError", "KvtierError", "OutOfPagesError",
     "StoreClosedError", "TierIOError", "UsageError",
 ]

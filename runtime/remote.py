@@ -58,6 +58,11 @@ class RemoteLink:
         store = self.store
         fingerprint = msgpack.packb([self.settings.model, store.layout.fingerprint(store.tpb, store.cfg.hash_salt)])
         self.tier = await RemoteTier.open(self.settings, fingerprint)
+        if self.tier.circuit_state() != "closed":        # a typo in the URL must not look like an empty cache
+            st = self.tier.stats()
+            log.warning("remote tier %s unreachable at open (failures %s): requests go on without it, "
+                        "retrying every %.1f s", self.settings.url or self.settings.urls,
+                        {k: v for k, v in st["failures"].items() if v}, self.settings.breaker_cooldown)
 
     async def close(self) -> None:
         if self.tier is not None:

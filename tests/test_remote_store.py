@@ -101,7 +101,7 @@ async def test_another_salt_or_layout_never_shares(server):
         await seq.close()
 
 
-async def test_a_dead_server_is_a_miss_and_corrupt_values_are_never_data(server):
+async def test_a_dead_server_is_a_miss_and_corrupt_values_are_never_data(server, caplog):
     async with Store.open(remote_cfg(server.url)) as a:
         await write_some(a)
     import redis
@@ -117,7 +117,10 @@ async def test_a_dead_server_is_a_miss_and_corrupt_values_are_never_data(server)
         await check_hits(b)                      # every served byte checked against its pattern
         assert b.stats()["remote"]["misses"]["corrupt"] > 0
     server.kill()
-    async with Store.open(remote_cfg(server.url)) as c:
+    with caplog.at_level("WARNING", logger="kvtier"):
+        c = await Store.open(remote_cfg(server.url))
+    assert "unreachable at open" in caplog.text
+    async with c:
         assert await check_hits(c) == 0
         await fill(c, prompt(50))                # requests go on
         st = c.stats()["remote"]

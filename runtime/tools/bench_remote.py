@@ -81,7 +81,7 @@ async def remote_rows(rounds: int = 3) -> list[dict]:
                 raw_put, raw_get = await _raw(server.url, pages, rounds)
                 put, get = await _ours(server.url, pages, rounds)
                 size = f"{page >> 20} MiB" if page >= 1 << 20 else f"{page >> 10} KiB"
-                for what, ours, raw in (("put (write-through/back)", put, raw_put), ("get (promotion)", get, raw_get)):
+                for what, ours, raw in (("put (write-through)", put, raw_put), ("get (promotion)", get, raw_get)):
                     rows.append({"bench": f"remote {what}, {size} pages", "value": round(ours, 3), "unit": "GB/s",
                                  "baseline": round(raw, 3), "baseline_is": "pipelined SET/GET, same client",
                                  "ratio": round(ours / raw, 4)})
