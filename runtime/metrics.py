@@ -54,6 +54,16 @@ kvtier_events_total                                       none (vLLM's KV event 
 kvtier_events_published_total                             none
 kvtier_events_dropped_total                               none
 kvtier_events_buffered                                    none
+kvtier_remote_lookups_total                               none (LMCache: lmcache:num_lookup_requests)
+kvtier_remote_gets_total{outcome}                         none (hit, absent, corrupt, wrong_size, mismatch, ...)
+kvtier_remote_puts_total{outcome}                         none (stored, already_there, failed, refused)
+kvtier_remote_bytes_total{direction}                      none (in, out)
+kvtier_remote_round_trips_total                           none
+kvtier_remote_failures_total{kind}                        none (timeout, connection, cluster, other)
+kvtier_remote_seconds_total{op}, _calls_total{op}         none (exists, get, put: mean latency = ratio)
+kvtier_remote_circuit{state}                              none (1 for the breaker's current state)
+kvtier_remote_imported_blocks_total                       vllm:external_prefix_cache_hits (blocks, one store)
+kvtier_remote_write_skipped_pages_total                   none
 kvtier_event_loop_lag_seconds{quantile}                   none
 kvtier_event_loop_lag_samples_total                       none
 ========================================================  ====================================================
@@ -169,6 +179,21 @@ class StoreCollector:
             "ev_published": counter(f"{p}_events_published", "KV event batches published (handed to ZMQ)"),
             "ev_dropped": counter(f"{p}_events_dropped", "KV event batches dropped (a full queue or reader buffer)"),
             "ev_buffered": gauge(f"{p}_events_buffered", "KV event batches buffered for Python readers"),
+            "r_lookups": counter(f"{p}_remote_lookups", "Pages the remote tier was asked about (exists)"),
+            "r_gets": counter(f"{p}_remote_gets", "Pages fetched from the remote tier, by outcome",
+                              labels=["outcome"]),
+            "r_puts": counter(f"{p}_remote_puts", "Pages written to the remote tier, by outcome", labels=["outcome"]),
+            "r_bytes": counter(f"{p}_remote_bytes", "Bytes to and from the remote tier", labels=["direction"]),
+            "r_round_trips": counter(f"{p}_remote_round_trips", "Round trips to the remote tier's nodes"),
+            "r_failures": counter(f"{p}_remote_failures", "Failed remote calls, by kind", labels=["kind"]),
+            "r_seconds": counter(f"{p}_remote_seconds", "Seconds spent in remote calls, by operation",
+                                 labels=["op"]),
+            "r_calls": counter(f"{p}_remote_calls", "Remote calls, by operation", labels=["op"]),
+            "r_circuit": gauge(f"{p}_remote_circuit", "The remote tier's circuit breaker (1 in the current state)",
+                               labels=["state"]),
+            "r_imported": counter(f"{p}_remote_imported_blocks", "Blocks imported from the remote tier at open"),
+            "r_skipped": counter(f"{p}_remote_write_skipped_pages",
+                                 "Pages not written through: past max_inflight_bytes"),
             "lag": gauge(f"{p}_event_loop_lag_seconds", "Event-loop lag: p50 and p99 of the recent samples, "
                          "and the longest stall (quantile 1)", labels=["quantile"]),
             "lag_samples": counter(f"{p}_event_loop_lag_samples", "Event-loop lag samples taken"),
@@ -254,7 +279,31 @@ class StoreCollector:
             f["ev_published"].add_metric([], events.get("published", 0))
             f["ev_dropped"].add_metric([], events.get("dropped", 0))
             f["ev_buffered"].add_metric([], events.get("buffered", 0))
-            yield from (f["ev_published"], f["ev_dropped"], f["ev_buffered"])
+            yield from (f["ev_made"], f["ev_published"], f["ev_dropped"], f["ev_buffered"])
+
+        remote = stats.get("remote")
+        if remote:
+            f["r_lookups"].add_metric([], remote.get("lookups", 0))
+            f["r_gets"].add_metric(["hit"], remote.get("hits", 0))
+            for kind, v in remote.get("misses", {}).items():
+                f["r_gets"].add_metric([kind], v)
+            f["r_puts"].add_metric(["stored"], remote.get("stored", 0))
+            f["r_puts"].add_metric(["already_there"], remote.get("skipped", 0))
+            f["r_puts"].add_metric(["failed"], remote.get("put_failed", 0))
+            f["r_puts"].add_metric(["refused"], remote.get("put_refused", 0))
+            f["r_bytes"].add_metric(["in"], remote.get("bytes_in", 0))
+            f["r_bytes"].add_metric(["out"], remote.get("bytes_out", 0))
+            f["r_round_trips"].add_metric([], remote.get("round_trips", 0))
+            for kind, v in remote.get("failures", {}).items():
+                f["r_failures"].add_metric([kind], v)
+            for op, lat in remote.get("latency", {}).items():
+                f["r_seconds"].add_metric([op], lat["sum"])
+                f["r_calls"].add_metric([op], lat["count"])
+            for state in ("closed", "open", "half_open"):
+                f["r_circuit"].add_metric([state], 1 if remote.get("circuit") == state else 0)
+            f["r_imported"].add_metric([], remote.get("imported_blocks", 0))
+            f["r_skipped"].add_metric([], remote.get("skipped_pages", 0))
+            yield from (f[k] for k in f if k.startswith("r_"))
 
     def _lag_metrics(self, f: dict) -> Iterator[Any]:
         recorder = getattr(self.lag, "recorder", self.lag)      # a LoopLagMonitor, or its LagRecorder

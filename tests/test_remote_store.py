@@ -191,3 +191,23 @@ async def test_pages_persisted_at_close_are_written_through(server, tmp_path):
         assert a.stats()["remote"]["written_pages"] == 0
     async with Store.open(remote_cfg(server.url)) as b:
         assert await check_hits(b, 4) == 4 * 6
+
+
+async def test_remote_metrics_follow_the_stats(server):
+    prom = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+    from runtime.metrics import register
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    async with Store.open(remote_cfg(server.url)) as b:
+        await check_hits(b)
+        reg = prom.CollectorRegistry()
+        register(b, reg)
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(prom.generate_latest(reg).decode()) for s in fam.samples}
+        st = b.stats()["remote"]
+        assert samples[("kvtier_remote_gets_total", (("outcome", "hit"),))] == st["hits"] > 0
+        assert samples[("kvtier_remote_imported_blocks_total", ())] == st["imported_blocks"] > 0
+        assert samples[("kvtier_remote_bytes_total", (("direction", "in"),))] == st["bytes_in"] > 0
+        assert samples[("kvtier_remote_circuit", (("state", "closed"),))] == 1
+        assert samples[("kvtier_prefix_cache_hits_total", (("tier", "remote"),))] == st["imported_blocks"]
