@@ -280,8 +280,11 @@ def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
             rows.append({"bench": "replay movement floor (its page moves at raw copy and page-cache speed)",
                          "value": replayed["movement_floor"], "unit": "blocks/s", "baseline": replayed["baseline"],
                          "baseline_is": "bare LRU prefix cache", "ratio": replayed["floor_ratio"]})
-        from .bench_remote import remote_rows
+        from .bench_remote import remote_rows, shared_replay_row
         rows += run(remote_rows(rounds=2 if quick else 3))      # none without redis-server
+        shared = shared_replay_row(trace or default_trace(), 1000 if quick else 3000)
+        if shared is not None:
+            rows.append(shared)
         if core:
             from .bench_core import control_plane_rows
             requests, _ = read_trace(trace or default_trace(), 2000 if quick else None)

@@ -10,6 +10,10 @@ machine's cores with the client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -17,9 +21,12 @@ import numpy as np
 
 from tiers.remote import RemoteSettings, RemoteTier, block_key_bytes
 
+from ..store import Store
+
 from .redis_servers import REDIS_SERVER, RedisServer
 
 SIZES = ((64 << 10, 512), (2 << 20, 32))        # (page bytes, pages per round): 32 and 64 MiB
+SHARED_TIERS = (2048, 8192)                     # each worker's GPU and host blocks in the shared replay row
 
 
 async def _raw(url: str, pages: np.ndarray, rounds: int) -> tuple[float, float]:
@@ -88,6 +95,47 @@ async def remote_rows(rounds: int = 3) -> list[dict]:
     return rows
 
 
+async def _worker(url: str | None, trace: str, limit: int, part: int, parts: int, scale: int) -> dict:
+    """One store's share of the trace (every ``parts``-th request from ``part``), metadata
+    first, with the remote tier at ``url`` (None: none); its hit rate by tier."""
+    from .bench_core import _config
+    from .replay import replay
+    from .trace import read_trace
+    requests, _ = read_trace(trace, limit)
+    cfg = _config(tuple(t * scale for t in SHARED_TIERS), None)
+    if url is not None:
+        cfg = dataclasses.replace(cfg, remote=RemoteSettings(url=url, namespace="bench", model="bench",
+                                                             op_timeout=5.0))
+    async with Store.open(cfg) as store:
+        res = await replay(store, requests[part::parts], content=False, verify=False)
+    return {"blocks": res.blocks, "hit_blocks": res.hit_blocks, "by_tier": dict(res.hit_by_tier),
+            "errors": dict(res.errors)}
+
+
+def shared_replay_row(trace: str, limit: int | None = 3000) -> dict | None:
+    """The trace split between two store processes sharing one server, against one store
+    of the same total capacity (no server) replaying it all: hit rates."""
+    if REDIS_SERVER is None:
+        return None
+    here = [sys.executable, "-m", "runtime.tools.bench_remote", "worker"]
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as d, RedisServer(d) as server:
+        procs = [subprocess.Popen(here + [server.url, trace, str(limit or 0), str(i), "2", "1"],
+                                  stdout=subprocess.PIPE, text=True) for i in range(2)]
+        shared = [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
+    single = asyncio.run(_worker(None, trace, limit or 0, 0, 1, 2))
+    alone = [asyncio.run(_worker(None, trace, limit or 0, i, 2, 1)) for i in range(2)]
+    rate = lambda r: round(r["hit_blocks"] / max(1, r["blocks"]), 4)
+    return {"bench": "remote: trace split over two stores sharing one server", "value": [rate(r) for r in shared],
+            "unit": "hit rate", "baseline": rate(single), "baseline_is": "one store of both stores' capacity",
+            "ratio": round(sum(r["hit_blocks"] for r in shared) / max(1, single["hit_blocks"]), 4),
+            "remote_hits": [r["by_tier"].get("remote", 0) for r in shared],
+            "without_server": [rate(r) for r in alone]}
+
+
 if __name__ == "__main__":
-    import json
-    print(json.dumps(asyncio.run(remote_rows()), indent=1))
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        url, trace, limit, part, parts, scale = sys.argv[2:8]
+        print(json.dumps(asyncio.run(_worker(url, trace, int(limit) or None, int(part), int(parts), int(scale)))))
+    else:
+        from .bench import default_trace
+        print(json.dumps(asyncio.run(remote_rows()) + [shared_replay_row(default_trace())], indent=1))
