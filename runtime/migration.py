@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -33,6 +34,7 @@ from .readiness import wait_event, wait_events
 from .stats import MoveStats
 
 
+log = logging.getLogger("kvtier")
 INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
 SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
@@ -240,9 +242,8 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
                 ev = await self._stage(busy, self.down, job, deps, inline=small)
                 if batch.tee is not None:       # the landed rows, copied while the claim still holds the slots
-                    out = torch.empty((n_pages, cold_bytes), dtype=torch.uint8)
-                    await self._stage(busy, self.tee, lambda: gather(dst, dst_slots, host_dev, out=out), [ev])
-                    batch.tee(out)
+                    await self._tee(batch, busy, lambda out: gather(dst, dst_slots, host_dev, out=out),
+                                    n_pages, cold_bytes, [ev])
             else:
                 records = batch.records()
                 with self.staging.borrow(n_pages, cold_bytes) as buf:
@@ -254,9 +255,7 @@ class MigrationEngine:
                                       non_blocking=True)
                     await self._stage(busy, self.down, job, deps, inline=small)
                     if batch.tee is not None:   # the cold rows, copied before the staging goes back
-                        out = torch.empty((n_pages, cold_bytes), dtype=torch.uint8)
-                        await self._stage(busy, self.tee, lambda: out.copy_(buf), [])
-                        batch.tee(out)
+                        await self._tee(batch, busy, lambda out: out.copy_(buf), n_pages, cold_bytes, [])
                     ev = await self._stage(busy, self.io_write,
                                            lambda: self.disk.write(dst_group, list(dst_slots), buf, records), [])
         elif src_tier == HOST:
@@ -298,6 +297,17 @@ class MigrationEngine:
         self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
         self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
+
+    async def _tee(self, batch: Batch, busy: list[float], copy: Callable[[torch.Tensor], object], n_pages: int,
+                   width: int, deps: list) -> None:
+        """A copy of a batch's cold rows for ``batch.tee`` (write-through). Best effort: a
+        failure here is logged and the move goes on (the tee is just not called)."""
+        try:
+            out = torch.empty((n_pages, width), dtype=torch.uint8)
+            await self._stage(busy, self.tee, lambda: copy(out), deps)
+            batch.tee(out)
+        except Exception as exc:        # noqa: BLE001 - write-through must never fail a move
+            log.warning("write-through copy of %d page(s) failed: %r", n_pages, exc)
 
     async def _stage(self, busy: list[float], stream, job: Callable[[], None],
                      deps: Iterable[Event | None], inline: bool = False) -> Event:

@@ -3,15 +3,14 @@ written by one store be a hit for another.
 
 - **Lookup at open.** Where the local match stops, one pipelined existence
   query for the next blocks' pages (every life cycle that is not PRIVATE);
-  the run found is fetched in one round trip straight into host slots and
-  the core publishes it there (``Core.import_pages``). The sequence is then
+  the run found is fetched (one round trip per node, every host group at
+  once) into a buffer, copied into host slots on a worker thread, and the
+  core publishes it there (``Core.import_pages``). The sequence is then
   matched again, so the rest of the request sees ordinary host hits.
-- **Write-through as pages leave the GPU.** A GPU->host move copies its
-  cold rows once more, after they landed (``Batch.tee``), and a background
-  task writes the committed ones with ``NX``, bounded by
-  ``max_inflight_bytes`` (past the bound a batch is skipped and counted,
-  never waited for). Every page that leaves the GPU passes through the host
-  tier, so every evicted committed page reaches the remote tier.
+- **Write-through as pages leave the GPU** (to host or disk). The move
+  copies its cold rows once more (``Batch.tee``), and a background task
+  writes the committed ones with ``NX``, bounded by ``max_inflight_bytes``
+  (past the bound a batch is skipped and counted, never waited for).
 
 Every remote failure is a miss (the backend counts it); nothing here raises
 into a request because the server is slow, gone or lying.
@@ -88,7 +87,7 @@ class RemoteLink:
         have = await tier.exists(tier.page_keys(idents))
         missing = [i for i, ok in enumerate(have) if not ok]
         run = (missing[0] // per) if missing else n
-        if run == 0 or store.closed:
+        if run == 0 or store.closed or store._closing is not None:
             return 0, False
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
         per_group: dict[int, int] = {}

@@ -210,7 +210,8 @@ class Store:
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
         if self.remote is not None:
-            await self._wait_tasks()            # write-through started by persisting
+            while self._tasks:                  # write-through started by persisting, imports of late opens
+                await self._wait_tasks()
             await self.remote.close()
         if self.kv_events is not None and self.core is not None:
             await self.kv_events.stop()         # the last batches, persisting's moves included
@@ -269,6 +270,8 @@ class Store:
     async def open_sequence(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None,
                             priority: int | None = None) -> Sequence:
         self._check()
+        if self._closing is not None:
+            raise StoreClosedError("store is closing")
         if (tokens is None) == (block_keys is None):
             raise UsageError("pass exactly one of tokens= or block_keys=")
         if priority is None:
@@ -747,8 +750,12 @@ class Store:
 
                 def tee(rows: torch.Tensor) -> None:
                     nonlocal reserved
-                    reserved = 0
-                    self.remote.write_through(records, rows, nbytes)
+                    reserved = 0                # write_through owns the reservation from here, and releases it
+                    try:
+                        self.remote.write_through(records, rows, nbytes)
+                    except Exception:           # noqa: BLE001 - it never got to its own release
+                        self.remote.release(nbytes)
+                        raise
                 job.tee = tee
             else:
                 self.remote.skipped_pages += len(src_slots)
@@ -757,6 +764,7 @@ class Store:
         except BaseException as exc:
             if reserved:
                 self.remote.release(reserved)
+                reserved = 0
             self.engine.stats.failures[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += 1
             core.give_back(dst_tier, g, dst_slots)
             self._unclaim(batch, exc)
@@ -767,6 +775,9 @@ class Store:
                             len(depths), sorted(depths)[:16])
                 self._sync()
             raise
+        if reserved:                            # the tee never ran (its copy failed): nothing to write
+            self.remote.release(reserved)
+            self.remote.skipped_pages += len(src_slots)
         claims, freed = core.land(batch, dst_tier, g, dst_slots, self.events.id(ev), handoff)
         self.claims.settle(claims)
         self._sync()
