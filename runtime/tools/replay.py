@@ -148,8 +148,9 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                     await serve(req, first=attempt == 0)
                     break
                 except OutOfPagesError:
-                    # the pool is locked by requests in flight: wait for one to finish, as a server queues
-                    if in_flight <= 1 or attempt == 7:
+                    # the pool is locked by requests in flight: wait for one to finish, as a server queues;
+                    # not when every other request in flight waits too (nobody would finish to wake them)
+                    if in_flight - waiting <= 1 or attempt == 7:
                         res.errors["OutOfPagesError"] += 1
                         break
                     waiting += 1
