@@ -39,23 +39,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import os
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable
 
 import msgpack
 import numpy as np
 
+from .loop import every
 from .pages import DISK, GPU, HOST
 
 if TYPE_CHECKING:
     from tiers.config import EventsConfig
     from .store import Store
 
-log = logging.getLogger("kvtier")
 
 EVENT = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("token_at", "<i4"), ("kind", "u1"), ("tier", "i1"),
                   ("lc", "u1"), ("has_parent", "u1")])
@@ -142,13 +141,8 @@ class KvEvents:
         if self.publisher is not None:
             self.publisher.close()
 
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.flush_interval)
-            try:
-                await self._flush_async()
-            except Exception:       # noqa: BLE001 - the stream must outlive a bad batch
-                log.exception("kv events: flush failed")
+    def _flush_loop(self) -> Awaitable[None]:
+        return every(self.cfg.flush_interval, self._flush_async, "kv events: a flush")
 
     async def _flush_async(self, force: bool = False) -> None:
         """Everything logged so far, a chunk per loop turn (a recovery logs millions)."""

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import threading
-from typing import Any, Coroutine, Iterator
+from typing import Any, Awaitable, Callable, Coroutine, Iterator
 
 try:
     import uvloop
@@ -44,3 +45,14 @@ def short_switch_interval(seconds: float = 0.0005) -> Iterator[None]:
             _switch_users -= 1
             if _switch_users == 0:
                 sys.setswitchinterval(_switch_saved)
+
+
+async def every(seconds: float, job: Callable[[], Awaitable[Any]], what: str) -> None:
+    """Await ``job()`` every ``seconds`` until cancelled; a failure is logged (``what``
+    failed), never fatal: background duties must outlive any one bad turn."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await job()
+        except Exception:       # noqa: BLE001 - see above
+            logging.getLogger("kvtier").exception("%s failed", what)

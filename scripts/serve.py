@@ -114,6 +114,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 import runtime  # noqa: E402
+from runtime.loop import every  # noqa: E402
 from runtime.lag import LoopLagMonitor  # noqa: E402
 from runtime.metrics import StoreCollector, register as register_store_metrics  # noqa: E402
 from runtime.tools.cli import at_least, tune_gc  # noqa: E402
@@ -526,12 +527,7 @@ class ServerState:
 
     async def sweep_forever(self) -> None:
         """Reclaim expired sequences until cancelled; a failed sweep is logged, never fatal."""
-        while True:
-            await asyncio.sleep(self.limits.sweep_interval)
-            try:
-                await self.sweep()
-            except Exception:   # noqa: BLE001 - the sweeper must outlive any one failure
-                log.exception("lease sweep failed")
+        await every(self.limits.sweep_interval, self.sweep, "lease sweep")
 
     async def sweep(self) -> int:
         """Release and close the sequences whose lease ran out (their client
