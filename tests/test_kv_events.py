@@ -287,16 +287,28 @@ def _subscriber(ctx, endpoint: str, topic: bytes = b""):
     return sub
 
 
-def _drain_sub(sub, index: RouterIndex, seqs: list[int], quiet_ms: int = 300) -> None:
-    """Apply live batches after those already applied (a router skips what replay gave it)."""
+def _drain_sub(sub, index: RouterIndex, seqs: list[int], ctx=None, replay_endpoint: str | None = None,
+               quiet_ms: int = 300) -> int:
+    """Apply live batches after those already applied, as a router does: what replay gave
+    is skipped, and a gap (a subscription that joined late) is filled from the replay
+    socket. Returns how many batches came from replay to fill gaps."""
+    filled = 0
     while sub.poll(quiet_ms):
         topic, seq, payload = sub.recv_multipart()
         n = int.from_bytes(seq, "big")
         if seqs and n <= seqs[-1]:
             continue
-        assert not seqs or n == seqs[-1] + 1, f"a gap: {seqs[-1]} then {n}"
+        if seqs and n > seqs[-1] + 1:
+            assert replay_endpoint is not None, f"a gap: {seqs[-1]} then {n}"
+            for m, missed in _replay_from(ctx, replay_endpoint, seqs[-1] + 1):
+                if m < n:
+                    seqs.append(m)
+                    index.apply(msgpack.unpackb(missed))
+                    filled += 1
+            assert seqs[-1] == n - 1, "the replay window lost batches"
         seqs.append(n)
         index.apply(msgpack.unpackb(payload))
+    return filled
 
 
 def _replay_from(ctx, endpoint: str, start: int) -> list[tuple[int, bytes]]:
@@ -342,7 +354,7 @@ async def test_a_zmq_subscriber_and_a_late_joiner_reach_the_store_s_index(tmp_pa
             store.kv_events.flush()
             await asyncio.sleep(0.05)
             replayed = len(seqs)
-            _drain_sub(live, live_index, seqs)
+            _drain_sub(live, live_index, seqs, ctx, st["replay_endpoint"])
             assert seqs == list(range(len(seqs))) and len(seqs) > replayed + 10     # replay, then live, no gap
             assert live_index.held == store.kv_events.holdings()
             late = RouterIndex()
