@@ -257,3 +257,42 @@ async def test_a_failing_write_through_never_fails_a_move(server, monkeypatch):
         assert a.remote.inflight == 0 and a.stats()["remote"]["written_pages"] == 0
         await check_hits(a)                          # the moved pages are served (from the host tier), exact
         assert a.stats()["hits"]["host"] > 0
+
+
+async def test_a_cluster_shares_pages_spread_over_its_masters(tmp_path):
+    """Three masters on loopback: the pages land on every node, a second store hits them
+    bit-exact, and an open's lookup takes one round trip per node."""
+    from runtime.tools.redis_servers import REDIS_CLI, RedisClusterProcs
+    if REDIS_CLI is None:
+        pytest.skip("needs redis-cli")
+    with RedisClusterProcs(tmp_path / "cluster") as cluster:
+        settings = lambda: RemoteSettings(urls=cluster.urls, namespace="t", model="m", op_timeout=2.0)
+        async with Store.open(config(gpu=8, host=32, remote=settings())) as a:
+            await write_some(a)
+        per_node = [int(n.info("keyspace").get("db0", "keys=0").split(",")[0].split("=")[1]) for n in cluster.nodes]
+        assert all(k > 0 for k in per_node), per_node
+        async with Store.open(config(gpu=8, host=32, remote=settings())) as b:
+            trips = b.stats()["remote"]["round_trips"]
+            seq = await b.open_sequence(tokens=prompt(0))
+            assert seq.matched_by_tier["remote"] == 6
+            await seq.close()
+            trips = b.stats()["remote"]["round_trips"] - trips
+            assert trips <= 2 * len(cluster.nodes)           # exists, then get: at most one per node each
+            assert await check_hits(b) > 0
+
+
+async def test_a_server_short_of_memory_evicts_and_serves_only_whole_pages(tmp_path):
+    """maxmemory with allkeys-lru: far more written than fits; what is left is served
+    bit-exact, what was evicted is a miss, and nothing fails."""
+    from runtime import LayerSpec
+    big = [LayerSpec(0, (("k", 16384), ("v", 16384)))]        # 32 KiB pages: 7.5 MiB written, 2 MiB kept
+    with RedisServer(tmp_path / "small", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru") as small:
+        async with Store.open(remote_cfg(small.url, layers=big)) as a:
+            for i in range(40):
+                await fill(a, prompt(i))
+            await a.drain()
+            assert a.stats()["remote"]["written_pages"] > 150
+        async with Store.open(remote_cfg(small.url, layers=big)) as b:
+            remote = await check_hits(b, 40)                   # every served byte checked
+            st = b.stats()["remote"]
+            assert 0 < remote < 40 * 6 and sum(st["failures"].values()) == 0
