@@ -31,10 +31,11 @@ from tiers.policy import ReusePolicy
 from tiers.remote import RemoteSettings, RemoteTier, block_key_bytes
 
 from .pages import HOST
+from .readiness import wait_events
+
+import torch
 
 if TYPE_CHECKING:
-    import torch
-
     from .store import Store
 
 log = logging.getLogger("kvtier")
@@ -183,6 +184,36 @@ class RemoteLink:
             log.warning("remote tier: a write-through failed: %r", exc)
         finally:
             self.release(nbytes)
+
+    async def write_back(self, victims) -> None:
+        """Victims the last local tier is about to drop (claimed, so their slots hold still):
+        their committed pages' bytes go to the server first (``write = "back"``). Best
+        effort: a read or a reservation that fails leaves the drop to go on."""
+        store = self.store
+        core = store.core
+        records = store.records(victims)
+        committed = int((records["ktag"] != TAG_ANONYMOUS).sum())
+        if not committed or self.tier is None:
+            return
+        src_tier, group, src_slots, _, ready = core.batch_view(victims)
+        width = store.engine.cold_bytes[group]
+        nbytes = len(src_slots) * width
+        if not self.reserve(nbytes):
+            self.skipped_pages += committed
+            return
+        try:
+            await wait_events(store.events.all(ready))      # the last copy into them has landed
+            out = torch.empty((len(src_slots), width), dtype=torch.uint8)
+            if src_tier == HOST:
+                slab = store.slabs[HOST][group].tensor.numpy()
+                await asyncio.to_thread(copy_rows, slab, np.asarray(src_slots, dtype=np.int64), out.numpy(), None)
+            else:
+                await asyncio.to_thread(store.disk.read, group, list(src_slots), out)
+        except Exception as exc:       # noqa: BLE001 - a corrupt or unreadable page is just not written
+            self.release(nbytes)
+            log.debug("remote tier: write-back skipped: %r", exc)
+            return
+        self.write_through(records, out, nbytes)
 
     def stats(self) -> dict:
         out = dict(self.tier.stats()) if self.tier is not None else {}

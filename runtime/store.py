@@ -689,6 +689,8 @@ class Store:
                     # frees each slot once (a subtree drop must not free a victim's slot under it)
                     self._claim(victims, DISK)
                 break
+        if self.remote is not None and self.remote.settings.write == "back":
+            await self.remote.write_back(victims)       # to the server before the drop (still claimed)
         claims, freed = self.core.drop_victims(tier, victims)
         self.claims.settle(claims)
         self._sync()
@@ -742,7 +744,8 @@ class Store:
         self._sync()
         job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)), lambda: self.records(batch))
         reserved = 0
-        if self.remote is not None and src_tier == GPU:     # leaving the GPU: write-through to the remote tier
+        if self.remote is not None and self.remote.settings.write == "through" and src_tier == GPU:
+            # leaving the GPU: write-through to the remote tier
             nbytes = len(src_slots) * self.engine.cold_bytes[g]
             if self.remote.reserve(nbytes):
                 reserved = nbytes

@@ -454,7 +454,7 @@ def test_remote_tier_from_toml():
         (7_200_000, 0.25, 2.0, 5.0, 64 << 20)
     assert remote(ttl=0).remote.ttl_ms is None
     for kw, field in (({"timeout": -1}, "tiers.remote.timeout"), ({"ttl": True}, "tiers.remote.ttl"),
-                      ({"ttl": float("inf")}, "tiers.remote.ttl"), ({"write": "back"}, "tiers.remote.write"),
+                      ({"ttl": float("inf")}, "tiers.remote.ttl"), ({"write": "around"}, "tiers.remote.write"),
                       ({"model": ""}, "tiers.remote.model"), ({"namespace": "a b"}, "tiers.remote.namespace"),
                       ({"bogus": 1}, "tiers.remote.bogus"), ({"breaker_failures": 0}, "tiers.remote.breaker_failures")):
         with pytest.raises(ConfigError) as e:

@@ -296,3 +296,22 @@ async def test_a_server_short_of_memory_evicts_and_serves_only_whole_pages(tmp_p
             remote = await check_hits(b, 40)                   # every served byte checked
             st = b.stats()["remote"]
             assert 0 < remote < 40 * 6 and sum(st["failures"].values()) == 0
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+async def test_write_back_sends_what_the_last_tier_drops(server, tmp_path, with_disk):
+    """write = "back": nothing goes out while pages stay local; what the last local tier
+    (host, or disk) drops is written first, and another store hits it bit-exact."""
+    settings = lambda: RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0, write="back")
+    cfg = config(gpu=8, host=8, disk=16 if with_disk else None, disk_dir=tmp_path, remote=settings())
+    async with Store.open(cfg) as a:
+        await fill(a, prompt(0))
+        await a.drain()
+        assert a.stats()["remote"]["written_pages"] == 0          # GPU -> host is not a write here
+        for i in range(1, 12):
+            await fill(a, prompt(i))
+        await a.drain()
+        st = a.stats()
+        assert st["drops"] > 0 and st["remote"]["written_pages"] > 0
+    async with Store.open(remote_cfg(server.url)) as b:
+        assert await check_hits(b, 12) > 0

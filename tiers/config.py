@@ -346,12 +346,8 @@ def _remote(raw: Any) -> RemoteSettings:
     raw = dict(raw)
     _reject_unknown(raw, {"url", "urls", "cluster", "namespace", "ttl", "max_inflight_bytes", "connect_timeout",
                           "timeout", "write", "breaker_failures", "breaker_cooldown", "model"}, field + ".")
-    write = raw.pop("write", "through")
-    if write != "through":
-        raise ConfigError(f"{field}.write", f"only 'through' is built (pages are written as they reach the "
-                          f"host tier), got {write!r}")
     kw: dict[str, Any] = {k: raw.pop(k) for k in ("url", "urls", "cluster", "namespace", "breaker_failures",
-                                                   "model") if k in raw}
+                                                   "model", "write") if k in raw}
     if "ttl" in raw:
         kw["ttl_ms"] = _duration_ms(raw.pop("ttl"), f"{field}.ttl")
     for name, attr in (("timeout", "op_timeout"), ("connect_timeout", "connect_timeout"),

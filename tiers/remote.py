@@ -174,11 +174,14 @@ class RemoteSettings:
     breaker_failures: int = 3         # consecutive failed calls that open the circuit
     breaker_cooldown: float = 2.0     # seconds the circuit stays open before one trial (half-open)
     model: str = ""                   # the model the pages belong to: part of the Store's fingerprint
+    write: str = "through"            # the Store's policy: "through" (pages leaving the GPU) or "back" (dropped)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field (``tiers.remote.<field>``)."""
         if not isinstance(self.model, str):
             raise ConfigError(f"{_FIELD}.model", f"must be a string, got {self.model!r}")
+        if self.write not in ("through", "back"):
+            raise ConfigError(f"{_FIELD}.write", f"expected 'through' or 'back', got {self.write!r}")
         if not isinstance(self.cluster, bool):
             raise ConfigError(f"{_FIELD}.cluster", f"must be true or false, got {self.cluster!r}")
         if self.url is not None and self.urls is not None:
