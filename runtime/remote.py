@@ -30,7 +30,7 @@ from tiers.native import copy_rows
 from tiers.policy import ReusePolicy
 from tiers.remote import RemoteSettings, RemoteTier, block_key_bytes
 
-from .pages import HOST
+from .pages import DISK, HOST
 from .readiness import wait_events
 
 import torch
@@ -196,6 +196,8 @@ class RemoteLink:
         if not committed or self.tier is None:
             return
         src_tier, group, src_slots, _, ready = core.batch_view(victims)
+        if src_tier not in (HOST, DISK):     # a GPU drop (no colder tier could take them): hot layout, not sent
+            return
         width = store.engine.cold_bytes[group]
         nbytes = len(src_slots) * width
         if not self.reserve(nbytes):
@@ -209,8 +211,10 @@ class RemoteLink:
                 await asyncio.to_thread(copy_rows, slab, np.asarray(src_slots, dtype=np.int64), out.numpy(), None)
             else:
                 await asyncio.to_thread(store.disk.read, group, list(src_slots), out)
-        except Exception as exc:       # noqa: BLE001 - a corrupt or unreadable page is just not written
+        except BaseException as exc:   # a corrupt or unreadable page is just not written; a cancel goes on
             self.release(nbytes)
+            if not isinstance(exc, Exception):
+                raise
             log.debug("remote tier: write-back skipped: %r", exc)
             return
         self.write_through(records, out, nbytes)

@@ -689,8 +689,12 @@ class Store:
                     # frees each slot once (a subtree drop must not free a victim's slot under it)
                     self._claim(victims, DISK)
                 break
-        if self.remote is not None and self.remote.settings.write == "back":
-            await self.remote.write_back(victims)       # to the server before the drop (still claimed)
+        if self.remote is not None and self.remote.settings.write == "back" and tier != GPU:
+            try:
+                await self.remote.write_back(victims)   # to the server before the drop (still claimed)
+            except BaseException:
+                self._unclaim(victims, None)
+                raise
         claims, freed = self.core.drop_victims(tier, victims)
         self.claims.settle(claims)
         self._sync()

@@ -315,3 +315,20 @@ async def test_write_back_sends_what_the_last_tier_drops(server, tmp_path, with_
         assert st["drops"] > 0 and st["remote"]["written_pages"] > 0
     async with Store.open(remote_cfg(server.url)) as b:
         assert await check_hits(b, 12) > 0
+
+
+async def test_write_back_never_sends_gpu_rows(server, tmp_path):
+    """A victim dropped straight from the GPU (no colder tier could take it) is not written
+    back: its slot numbers and width are the GPU's, not a cold tier's."""
+    from runtime.pages import GPU
+    settings = RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0, write="back")
+    async with Store.open(config(gpu=8, host=8, disk=16, disk_dir=tmp_path, remote=settings)) as a:
+        for i in range(6):
+            await fill(a, prompt(i, blocks=1))
+        victims = a._pick_victims(GPU, 0, 2)
+        before = a.stats()["remote"]["written_pages"]
+        await a.remote.write_back(victims)
+        await a.drain()
+        assert a.stats()["remote"]["written_pages"] == before and a.remote.inflight == 0
+        a._unclaim(victims, None)
+        a.check_consistency()
