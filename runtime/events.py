@@ -41,7 +41,6 @@ import asyncio
 import collections
 import os
 import socket
-import struct
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable
 
@@ -59,9 +58,9 @@ if TYPE_CHECKING:
 EVENT = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("token_at", "<i4"), ("kind", "u1"), ("tier", "i1"),
                   ("lc", "u1"), ("has_parent", "u1")])
 assert EVENT.itemsize == 24                 # kv_events.hpp's KvEvent (the raw log, for tests and tools)
-STORED, REMOVED = 0, 1
 REMOTE = 3
 MEDIUM = {GPU: "GPU", HOST: "CPU_PINNED", DISK: "DISK", REMOTE: "EXTERNAL"}
+_PACKER = msgpack.Packer()                  # for array headers around events the core encoded
 FLUSH_ENTRIES = 4096                        # log entries encoded per loop turn (0.1-1 ms)
 HOLD_BYTES = 64 << 20                       # events held back while the publisher's queue is full
 
@@ -176,7 +175,8 @@ class KvEvents:
         self.pending_bytes = 0
         self.pending, self.n_pending = [], 0
         # [ts, [events...], rank], the events already encoded: msgpack concatenates
-        payload = b"".join((_BATCH_HEAD, struct.pack(">d", time.time()), _array_header(n), body, self._rank))
+        head = _PACKER.pack_array_header
+        payload = b"".join((head(3), msgpack.packb(time.time()), head(n), body, self._rank))
         self.n_batches += 1
         self.n_events += n
         if self.publisher is not None:
@@ -247,14 +247,3 @@ class KvEvents:
                 "buffered": len(self.local) if self.local is not None else 0,
                 "endpoint": self.publisher.endpoint if self.publisher is not None else None,
                 "replay_endpoint": self.publisher.replay_endpoint if self.publisher is not None else None}
-
-
-_BATCH_HEAD = b"\x93\xcb"            # a 3-element array, then a float64 (the timestamp)
-
-
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n <= 0xFFFF:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")

@@ -18,22 +18,22 @@ into a request because the server is slow, gone or lying.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
+import torch
 
 from tiers.errors import KvtierError
 from tiers.journal import TAG_ANONYMOUS
 from tiers.native import copy_rows
 from tiers.policy import ReusePolicy
-from tiers.remote import RemoteSettings, RemoteTier, block_key_bytes
+from tiers.remote import RemoteSettings, RemoteTier, block_key_bytes, record_key_bytes
 
 from .pages import DISK, HOST
 from .readiness import wait_events
-
-import torch
 
 if TYPE_CHECKING:
     from .store import Store
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier")
 MAX_LOOKUP_BLOCKS = 1024            # blocks past the local match one open asks the server about
 PUT_PIECE_BYTES = 8 << 20           # a write-through batch goes out in puts this big (each hashes on the loop)
-_KEY17 = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("tag", "u1")])    # block_key_bytes' layout, packed
 
 
 class RemoteLink:
@@ -91,9 +90,7 @@ class RemoteLink:
         if run == 0 or store.closed or store._closing is not None:
             return 0, False
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
-        per_group: dict[int, int] = {}
-        for g in groups:
-            per_group[g] = per_group.get(g, 0) + 1
+        per_group = collections.Counter(groups)
         # at most half of each host group: the import must not evict what this request needs
         run = min([run] + [core.capacity(HOST, g) // (2 * k) for g, k in per_group.items()])
         if run <= 0:
@@ -157,7 +154,7 @@ class RemoteLink:
     def release(self, nbytes: int) -> None:
         self.inflight -= nbytes
 
-    def write_through(self, records: np.ndarray, rows: "torch.Tensor", nbytes: int) -> None:
+    def write_through(self, records: np.ndarray, rows: torch.Tensor, nbytes: int) -> None:
         """Pages that just left the GPU (their journal records, their cold rows, the bytes
         reserved for them): the committed ones go to the server in the background."""
         keep = records["ktag"] != TAG_ANONYMOUS
@@ -166,10 +163,7 @@ class RemoteLink:
             return
         recs = records[keep]
         data = rows.numpy()[keep] if not keep.all() else rows.numpy()
-        packed = np.empty(len(recs), dtype=_KEY17)
-        packed["lo"], packed["hi"], packed["tag"] = recs["key_lo"], recs["key_hi"], recs["ktag"]
-        raw = packed.tobytes()
-        idents = [(raw[i * 17:i * 17 + 17], lc) for i, lc in enumerate(recs["lc"].tolist())]
+        idents = list(zip(record_key_bytes(recs), recs["lc"].tolist()))
         self.store._spawn(self._put(idents, data, nbytes))
 
     async def _put(self, idents: list, data: np.ndarray, nbytes: int) -> None:

@@ -300,8 +300,10 @@ class Store:
                     sid, matched, by_tier = self.core.open(keys, priority)
                 except (ValueError, TypeError) as exc:
                     raise UsageError(str(exc)) from None
-        if token_arr is not None and self.kv_events is not None:
-            self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+        def keep_tokens(sid: int) -> None:      # KV events: the blocks' tokens, for their BlockStored
+            if token_arr is not None and self.kv_events is not None:
+                self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+        keep_tokens(sid)
         remote = 0
         if self.remote is not None and matched < len(keys):
             remote, again = await self._remote_import(sid, keys, matched)
@@ -312,8 +314,7 @@ class Store:
                     self._recounted[1 + t] += by_tier[t]
                 sid, matched, by_tier = self.core.open(keys, priority)
                 self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
-                if token_arr is not None and self.kv_events is not None:
-                    self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+                keep_tokens(sid)
         seq = Sequence(self, sid, keys, token_arr, priority)
         seq.matched_blocks = matched
         seq.matched_by_tier = dict(zip(TIER_NAMES, by_tier))

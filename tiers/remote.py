@@ -124,6 +124,18 @@ def block_key_bytes(key: int | bytes) -> bytes:
     return struct.pack("<QQB", lo, hi, tag)
 
 
+_KEY17 = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("tag", "u1")])    # block_key_bytes' layout, packed
+
+
+def record_key_bytes(records: np.ndarray) -> list[bytes]:
+    """``block_key_bytes`` of each disk journal record's key (``tiers.journal.RECORD``),
+    built for the whole array at once."""
+    packed = np.empty(len(records), dtype=_KEY17)
+    packed["lo"], packed["hi"], packed["tag"] = records["key_lo"], records["key_hi"], records["ktag"]
+    raw = packed.tobytes()
+    return [raw[i:i + BLOCK_KEY_BYTES] for i in range(0, len(raw), BLOCK_KEY_BYTES)]
+
+
 # ---- settings ----------------------------------------------------------------------------------
 
 def _number(field: str, value: Any, *, integer: bool = False) -> None:

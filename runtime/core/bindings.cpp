@@ -418,7 +418,6 @@ NB_MODULE(_core, m) {
              for (auto& k : spec_kind) if (k.size() > 255) throw nb::value_error("set_kv_event_format: a name too long");
              if (tpb != c.tokens_per_block()) throw nb::value_error("set_kv_event_format: tokens_per_block is not the core's");
              kvtier::KvEventFormat& f = c.kv_event_format();
-             f.tpb = tpb;
              f.positional = positional;
              f.medium = std::move(medium);
              f.spec_kind = std::move(spec_kind);

@@ -94,7 +94,6 @@ class MsgpackWriter {
 
 // How events are spelled: per life cycle, vLLM's cache spec kind and window.
 struct KvEventFormat {
-  int32_t tpb = 0;
   bool positional = false;                 // arrays in the older layout, not maps
   std::vector<std::string> medium;         // per tier
   std::vector<std::string> spec_kind;      // per life cycle
@@ -145,7 +144,7 @@ inline size_t encode_kv_events(const KvEventLog& log, size_t from, size_t to, co
       auto parent = [&] { if (head.has_parent) w.uint(head.parent_hash); else w.nil(); };
       auto tokens = [&] {
         if (head.token_at < 0) return w.array(0);
-        size_t first = size_t(head.token_at), n = (b - a) * size_t(f.tpb);
+        size_t first = size_t(head.token_at), n = (b - a) * size_t(log.tpb);
         w.array(n);
         for (size_t i = 0; i < n; ++i) w.sint(log.tokens[first + i]);
       };
@@ -155,7 +154,7 @@ inline size_t encode_kv_events(const KvEventLog& log, size_t from, size_t to, co
         hashes();
         parent();
         tokens();
-        w.uint(uint64_t(f.tpb));
+        w.uint(uint64_t(log.tpb));
         w.nil();
         w.str(medium);
       } else {
@@ -170,7 +169,7 @@ inline size_t encode_kv_events(const KvEventLog& log, size_t from, size_t to, co
         w.str("token_ids");
         tokens();
         w.str("block_size");
-        w.uint(uint64_t(f.tpb));
+        w.uint(uint64_t(log.tpb));
         w.str("lora_id");
         w.nil();
         w.str("medium");
