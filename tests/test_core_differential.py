@@ -17,7 +17,12 @@ prefetch, background demotion, persisting to disk, restarting from the disk's
 records, with moves that land (with events, handing source slots off or
 freeing them fenced) or fail (slots given back, claims ended, corrupt disk
 pages discarded). Moves can be left in flight across steps, so pages die,
-get published or are needed while claimed.
+get published or are needed while claimed. With write-through on (a share
+of the runs with a disk tier, all of test_core_matches_model_write_through)
+it also copies published pages to the disk as the Store does (take_copies,
+disk slots, land_copies or a failure; in flight too) and demotes victims
+onto their copies (swap_to_copies). Every claim made must be settled
+exactly once, and the open claims are exactly those pages hold.
 
 What these tests found in the core's first cut (all fixed since) has a
 regression test at the end, with its minimal repro. A discrepancy found
@@ -139,7 +144,7 @@ QUERIES = {"free", "capacity", "used", "is_free", "queue_len", "n_groups", "coun
            "num_blocks", "committed", "acquired", "page_indices", "locked_slots", "recompute_blocks",
            "ready_events", "prefetch_pages", "claims_of", "cold_pages", "group_counts", "droppable",
            "split_batches", "batch_view", "disk_records", "slot_fences", "persist_candidates", "still_persistable",
-           "tier_pages"}
+           "tier_pages", "copy_of", "copies_pending", "write_through"}
 
 
 KV_EVENT = np.dtype([("hash", "<u8"), ("parent", "<u8"), ("token_at", "<i4"), ("kind", "u1"), ("tier", "i1"),
@@ -148,8 +153,9 @@ CALLS: collections.Counter = collections.Counter()     # calls made, by name and
 
 
 class Pair:
-    def __init__(self, tpb: int, lcs: list, group_of: list, capacity: list) -> None:
+    def __init__(self, tpb: int, lcs: list, group_of: list, capacity: list, write_through: bool = False) -> None:
         self.config = (tpb, lcs, group_of, capacity)
+        self.write_through = write_through
         self.core = Core(tpb, lcs, group_of, capacity)
         self.core.set_kv_events(True)
         self.held: set[tuple[int, int, int]] = set()    # (hash, tier, lc) as a router learns it from KV events
@@ -157,6 +163,9 @@ class Pair:
         self.groups = [len(row) for row in capacity]
         self.calls = 0
         self.log: collections.deque = collections.deque(maxlen=40)
+        self.open_claims: set[int] = set()      # claims made and not settled yet (each settles once)
+        if write_through:               # as the Store sets it up: right after construction
+            self.call("set_write_through", True)
 
     def call(self, name: str, *args):
         self.calls += 1
@@ -183,9 +192,34 @@ class Pair:
         except AssertionError as e:
             raise AssertionError(f"{self.where()}: {e}") from None
         if name not in QUERIES:
+            self.track_claims(name, out)
             self.compare_light()
             self.check_kv_events()
         return out
+
+    OPENS = {"claim": lambda r: r, "pick_victims": lambda r: r[1] if r is not None else [],
+             "take_copies": lambda r: r[1]}
+    SETTLES = {"unclaim": lambda r: r, "land_copies": lambda r: r, "land": lambda r: r[0],
+               "drop_victims": lambda r: r[0], "swap_to_copies": lambda r: r[0]}
+
+    def track_claims(self, name: str, out) -> None:
+        """What the Store's futures need: a claim is made once, and settled once (by a call that
+        returns it), after which no page holds it."""
+        if name in self.OPENS:
+            made = self.OPENS[name](out)
+            assert not set(made) & self.open_claims, f"{self.where()}: claims {made} made twice"
+            self.open_claims.update(made)
+        elif name in self.SETTLES:
+            settled = self.SETTLES[name](out)
+            assert len(set(settled)) == len(settled) and set(settled) <= self.open_claims, \
+                f"{self.where()}: settled {settled}, open {sorted(self.open_claims)}"
+            self.open_claims.difference_update(settled)
+
+    def check_claims(self) -> None:
+        """Exactly the open claims are held by pages (a claim nobody settles hangs its waiters)."""
+        held = {p.claim for p in self.model.pt if p.in_use and p.claim}   # the core's: compare_full compares them
+        assert held == self.open_claims, \
+            f"after {self.where()}: pages hold claims {sorted(held)}, open {sorted(self.open_claims)}"
 
     def check_kv_events(self) -> None:
         """The core's KV events, applied in order, give exactly the pages it publishes per tier."""
@@ -213,7 +247,7 @@ class Pair:
 
     @staticmethod
     def light_state(side, groups) -> tuple:
-        return (side.clock, side.counters(), side.live_pages(),
+        return (side.clock, side.counters(), side.live_pages(), side.write_through(), side.copies_pending(),
                 [(side.free(t, g), side.queue_len(t, g)) for t in range(3) for g in range(groups[t])])
 
     def compare_light(self) -> None:
@@ -248,6 +282,7 @@ class Pair:
                                [(side.page_indices(s, lc), side.locked_slots(s, lc), side.recompute_blocks(s, lc))
                                 for lc in range(len(self.config[1]))])
         out["all pages"] = [side.page_info(pid) for pid in range(len(self.model.pt))]   # dead and free ids too
+        out["copies"] = [side.copy_of(pid) for pid in range(len(self.model.pt))]
         out["find"] = [side.find(k) for k in keys]
         out["persist"] = [p.tolist() for p in side.persist_candidates()]
         return out
@@ -259,6 +294,7 @@ class Pair:
             diff = next(k for k in c if c[k] != m.get(k))
             raise AssertionError(f"after {self.where()}: {diff}: core {c[diff]} != model {m[diff]}")
         self.check_result()
+        self.check_claims()
 
 
 def _key_form(key) -> tuple[int, int, int]:
@@ -314,10 +350,13 @@ class MoveFailed(Failed):
 
 
 class Pending:
-    """A move left in flight: a prefetch's promotion or a background demotion."""
+    """A move left in flight: a prefetch's promotion, a background demotion or
+    a write-through batch of copies (``batches``: [pages, disk group, slots
+    taken or None] of those still claimed)."""
 
     def __init__(self, kind: str, pages: PP, claims: list[int], tier: int = GPU, group: int = 0) -> None:
         self.kind, self.pages, self.claims, self.tier, self.group = kind, pages, claims, tier, group
+        self.batches: list[list] = []
 
 
 class Driver:
@@ -371,7 +410,7 @@ class Driver:
             if picked is None:
                 raise Failed("out of pages")
             victims, _claims = picked
-            freed = self.evict(tier, victims)
+            freed = self.evict(tier, victims, group)
         except Failed:
             self.call("give_back", tier, group, got)
             raise
@@ -380,23 +419,45 @@ class Driver:
             self.call("release_slots", tier, group, freed[need:], 0)
         return got + freed[:need]
 
-    def evict(self, tier: int, victims: PP) -> list[int]:
+    @property
+    def write_through(self) -> bool:
+        return self.pair.write_through
+
+    def evict(self, tier: int, victims: PP, group: int) -> list[int]:
+        """Demote (or drop) claimed victims of (tier, group); their slots go to the caller. With
+        write-through, victims bound for the disk that have a copy there take it over first (no
+        bytes move): when a colder tier was full and the victims skip to the disk, only sometimes,
+        so that the rest land on the disk with their copies (which then go)."""
         nxt = self.next_tier[tier]
-        while nxt != -1:
-            try:
-                slots = self.obtain_many(nxt, self.call("group_counts", victims, nxt))
-            except Failed as exc:
-                if isinstance(exc, MoveFailed):
-                    self.call("unclaim", victims)
-                    raise
-                nxt = self.next_tier[nxt]
-                if nxt == -1 and not self.call("droppable", victims):
-                    self.call("unclaim", victims)
-                    raise
-            else:
-                return self.move_claimed(victims, nxt, slots, handoff=True)
-        _claims, freed = self.call("drop_victims", tier, victims)
-        return freed
+        handed: list[int] = []
+        swapped = False
+        try:
+            while nxt != -1:
+                if (self.write_through and nxt == DISK and not swapped
+                        and (nxt == self.next_tier[tier] or self.rng.random() < 0.5)):
+                    swapped = True
+                    _claims, slots, victims = self.call("swap_to_copies", victims)
+                    handed += slots
+                    if not len(victims):
+                        return handed
+                try:
+                    slots = self.obtain_many(nxt, self.call("group_counts", victims, nxt))
+                except Failed as exc:
+                    if isinstance(exc, MoveFailed):
+                        self.call("unclaim", victims)
+                        raise
+                    nxt = self.next_tier[nxt]
+                    if nxt == -1 and not self.call("droppable", victims):
+                        self.call("unclaim", victims)
+                        raise
+                else:
+                    return handed + self.move_claimed(victims, nxt, slots, handoff=True)
+            _claims, freed = self.call("drop_victims", tier, victims)
+            return handed + freed
+        except Failed:
+            if handed:                  # slots of the victims that took over their copies: nobody takes them now
+                self.call("give_back", tier, group, handed)
+            raise
 
     def move_claimed(self, pages: PP, dst_tier: int, slots: dict[int, list[int]], handoff: bool) -> list[int]:
         batches = self.call("split_batches", pages, dst_tier)
@@ -550,16 +611,67 @@ class Driver:
                 self.move_claimed(op.pages, GPU, slots, handoff=False)
             except Failed:
                 pass
+        elif op.kind == "copy":
+            self.finish_copies(op)
         else:
             try:
-                freed = self.evict(op.tier, op.pages)
+                freed = self.evict(op.tier, op.pages, op.group)
             except Failed:
                 return
             self.call("release_slots", op.tier, op.group, freed, 0)
 
     def give_up(self, op: Pending) -> None:
         self.pending.remove(op)
-        self.call("unclaim", op.pages)
+        if op.kind == "copy":
+            for batch, g, slots in op.batches:
+                if slots is not None:
+                    self.call("give_back", DISK, g, slots)
+                self.call("unclaim", batch)
+        else:
+            self.call("unclaim", op.pages)
+
+    # write-through -------------------------------------------------------------------------------------------
+    def copy_step(self, n: int, leave: int = 0) -> None:
+        """The Store's write-through: claim up to ``n`` queued pages, then per batch (source tier and
+        group, disk group) take disk slots (evicting, copies too), copy and land them, or fail. leave:
+        0 done now; 1 left in flight before its slots are taken; 2 in flight with its slots taken."""
+        pages, claims = self.call("take_copies", n)
+        if not len(pages):
+            assert claims == []
+            return
+        op = Pending("copy", pages, claims, DISK)
+        op.batches = [[batch, g, None] for _t, _g, g, batch in self.call("split_batches", pages, DISK)]
+        if leave == 2:
+            for entry in list(op.batches):
+                try:
+                    entry[2] = self.obtain(DISK, entry[1], len(entry[0]))
+                except Failed:
+                    self.call("unclaim", entry[0])
+                    op.batches.remove(entry)
+        if leave == 0:
+            self.finish_copies(op)
+        elif op.batches:
+            self.pending.append(op)
+
+    def finish_copies(self, op: Pending) -> None:
+        batches, op.batches = op.batches, []
+        for batch, g, slots in batches:
+            if slots is None:
+                try:
+                    slots = self.obtain(DISK, g, len(batch))
+                except Failed:
+                    self.call("unclaim", batch)
+                    continue
+            slots = sorted(slots)
+            self.call("batch_view", batch)
+            self.call("slot_fences", DISK, g, slots)
+            self.call("disk_records", batch)
+            if self.fail_rate and self.rng.random() < self.fail_rate:
+                self.call("give_back", DISK, g, slots)
+                self.call("unclaim", batch)
+                continue
+            event = next(self.events) if self.rng.random() < 0.9 else 0
+            self.call("land_copies", batch, g, slots, event)
 
     def persist(self, chunk: int) -> None:
         for g, pages in enumerate(self.call("persist_candidates")):
@@ -625,7 +737,7 @@ class Driver:
 
     def restart(self, spoil: float) -> bool:
         rows = self.disk_records(spoil)
-        fresh = Pair(*self.pair.config)
+        fresh = Pair(*self.pair.config, write_through=self.pair.write_through)
         fresh.calls = self.pair.calls
         for i in range(0, max(len(rows), 1), 5):        # added in chunks, as the Store does
             chunk = rows[i:i + 5]
@@ -716,19 +828,25 @@ class CoreMachine(RuleBasedStateMachine):
     close) dominates and the rest interleaves with it."""
 
     layout = "full"
+    force_write_through = False         # every run with a disk tier and write-through on
 
     def __init__(self) -> None:
         super().__init__()
         self.d: Driver | None = None
 
     @initialize(tiers=st.sampled_from(TIER_SETS), gpu_blocks=st.integers(4, 10), host=st.integers(2, 10),
-                disk=st.integers(2, 12), seed=st.integers(0, 2 ** 16), fail=st.sampled_from((0.0, 0.1, 0.3)))
-    def setup(self, tiers, gpu_blocks, host, disk, seed, fail):
-        self.d = Driver(Pair(*make_config(self.layout, tiers, gpu_blocks, host, disk)), random.Random(seed), fail)
+                disk=st.integers(2, 12), seed=st.integers(0, 2 ** 16), fail=st.sampled_from((0.0, 0.1, 0.3)),
+                wt=st.integers(0, 2))
+    def setup(self, tiers, gpu_blocks, host, disk, seed, fail, wt):
+        if self.force_write_through:
+            tiers, wt = (tiers if DISK in tiers else tiers + (DISK,)), 1
+        write_through = DISK in tiers and wt > 0          # write-through to disk: copies
+        self.d = Driver(Pair(*make_config(self.layout, tiers, gpu_blocks, host, disk), write_through=write_through),
+                        random.Random(seed), fail)
 
     OPS = (["request"] * 6 + ["twins"] * 2 + ["open"] * 2 + ["extend"] * 4 + ["append"] * 2 + ["acquire"] * 4
            + ["release"] * 3 + ["commit"] * 4 + ["close"] * 3 + ["prefetch"] * 2 + ["demote"] * 2 + ["settle"] * 3
-           + ["drain"] * 2 + ["undo_extend", "persist", "drop_page", "restart", "queries"])
+           + ["drain"] * 2 + ["copy"] * 3 + ["undo_extend", "persist", "drop_page", "restart", "queries"])
     NEEDS_SEQ = {"extend", "append", "acquire", "release", "commit", "close", "undo_extend", "prefetch"}
 
     @rule(data=st.data(), op=st.sampled_from(OPS))
@@ -737,6 +855,8 @@ class CoreMachine(RuleBasedStateMachine):
             op = "request"
         if op == "settle" and not self.d.pending:
             op = "demote"
+        if op == "copy" and not self.d.write_through:
+            op = "request"
         getattr(self, "op_" + op)(data)
 
     def _seq(self, data):
@@ -840,9 +960,12 @@ class CoreMachine(RuleBasedStateMachine):
             group = data.draw(st.integers(0, len(self.d.capacity[tier]) - 1))
             self.d.background_demotion(tier, group, data.draw(st.integers(1, 3)))
 
+    def op_copy(self, data):
+        self.d.copy_step(data.draw(st.sampled_from((0, 1, 2, 3, 5, 8, 64))), data.draw(st.sampled_from((0, 1, 1, 2))))
+
     def op_settle(self, data):
         op = data.draw(st.sampled_from(self.d.pending))
-        if op.kind != "promote" or data.draw(st.integers(0, 3)):
+        if op.kind == "demote" or data.draw(st.integers(0, 3)):
             self.d.complete(op)
         else:
             self.d.give_up(op)
@@ -896,7 +1019,12 @@ class CoreMachine(RuleBasedStateMachine):
                   ("free", 3, 0), ("allocate", GPU, 7, 1), ("is_free", GPU, 0, 10_000), ("pick_victims", 5, 0, 1, 0),
                   ("release_slots", GPU, 0, [10_000], 0), ("open", [b""], 35), ("open", [1 << 127], 35),
                   ("open", [True], 35), ("append_keys", closed, [1]), ("place_extension", closed, 0, {9: []}),
-                  ("extend_now", closed, 1), ("drop_page", 10_000)]
+                  ("extend_now", closed, 1), ("drop_page", 10_000), ("take_copies", -1), ("copy_of", 10_000),
+                  ("land_copies", PP.of([]), 99, [], 0)]
+        if not d.capacity[DISK]:
+            misuse.append(("set_write_through", True))          # no disk tier
+        elif d.pair.core.counters()["copies"]:
+            misuse.append(("set_write_through", False))         # copies exist
         for call in data.draw(st.lists(st.sampled_from(misuse), max_size=3)):
             try:
                 d.call(*call)
@@ -937,6 +1065,13 @@ MACHINE_SETTINGS = settings(max_examples=8, stateful_step_count=50, derandomize=
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_core_matches_model(layout):
     machine = type(f"CoreMachine_{layout}", (CoreMachine,), {"layout": layout})
+    run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
+
+
+@pytest.mark.parametrize("layout", ["full", "sink_window", "two_gpu_groups", "mix"])
+def test_core_matches_model_write_through(layout):
+    """Clean copies: copies taken, landed, kept on promotion, swapped onto, evicted, waited for."""
+    machine = type(f"CoreMachineWT_{layout}", (CoreMachine,), {"layout": layout, "force_write_through": True})
     run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
 
 
@@ -1178,4 +1313,97 @@ def test_subtree_drop_with_children_matches():
     assert pair.call("indexed_blocks") == 0 and pair.call("free", GPU, 0) == 3
     pair.call("release_slots", GPU, 0, [0], 0)   # the victim's slot, handed to the caller
     pair.compare_full((), [1, 2, 3])
+    assert pair.check_result() is None
+
+
+def test_recover_takes_a_slots_generation_in_write_order():
+    """Two records for one slot (a spoiled journal): recency comes from the slot's last record in
+    write order, as the core reads them. The model took it in depth order (its records were sorted
+    in place): pages of equal depth were stamped in another order."""
+    pair = Pair(2, [FULL], [[0], [-1], [0]], [[2], [], [4]])
+    rows = [(3, 1, 1, 0, 0, 0, 35, 9),          # block 1's child at block 1's slot: discarded
+            (1, None, 0, 0, 0, 0, 35, 5),
+            (2, None, 0, 0, 0, 1, 35, 7)]
+    pair.call("recover_add", *to_records(rows))
+    pair.call("recover")
+    pair.compare_full((), [1, 2, 3])
+
+
+def _page_with_a_copy(pair: Pair, key: int) -> int:
+    """A committed GPU page of block ``key``, copied to the disk by write-through: its id."""
+    s, _, _ = pair.call("open", [key], 35)
+    pair.call("extend_now", s, 1)
+    assert pair.call("commit", s, 1) == -1
+    pair.call("close", s)
+    pages, claims = pair.call("take_copies", 8)
+    ((_, _, g, batch),) = pair.call("split_batches", pages, DISK)
+    assert pair.call("land_copies", batch, g, pair.call("allocate", DISK, g, 1), 7) == claims
+    (pid,) = pages.tolist()
+    assert pair.call("copy_of", pid) >= 0
+    return pid
+
+
+def test_a_page_landing_on_disk_loses_its_copy():
+    """A victim with a copy that moves to the disk itself (the host tier was full and it skipped
+    there without swap_to_copies) kept its copy in the core's first cut of write-through: a primary
+    on the disk named a copy (check(): "a copy its block's primary does not name") and the block
+    held two disk slots. land() now frees the copy."""
+    pair = Pair(2, [FULL], [[0], [0], [0]], [[2], [1], [4]], write_through=True)
+    pid = _page_with_a_copy(pair, 1)
+    victims, _ = pair.call("pick_victims", GPU, 0, 1, 0)
+    assert victims.tolist() == [pid]
+    before = pair.call("free", DISK, 0)
+    _, freed = pair.call("land", victims, DISK, 0, pair.call("allocate", DISK, 0, 1), 8, True)
+    pair.call("release_slots", GPU, 0, freed, 0)                    # the victim's GPU slot, handed over
+    assert pair.call("copy_of", pid) == -1 and pair.call("free", DISK, 0) == before
+    assert pair.call("counters")["copies"] == 0
+    pair.compare_full((), [1])
+    assert pair.check_result() is None
+
+
+def test_a_page_landing_on_disk_while_its_copy_is_dropped():
+    """The copy is claimed by the disk's eviction (a drop in flight, such as a write-back) when its
+    primary is demoted: swap_to_copies leaves it to move, and it lands on the disk. Its copy goes
+    at once and keeps its slot for the drop, which hands it over."""
+    pair = Pair(2, [FULL], [[0], [-1], [0]], [[2], [], [4]], write_through=True)
+    pid = _page_with_a_copy(pair, 1)
+    copy = pair.call("copy_of", pid)
+    drops, _ = pair.call("pick_victims", DISK, 0, 1, 0)           # the copy: its drop in flight
+    assert drops.tolist() == [copy]
+    victims, _ = pair.call("pick_victims", GPU, 0, 1, 0)
+    claims, slots, rest = pair.call("swap_to_copies", victims)
+    assert (claims, slots, rest.tolist()) == ([], [], [pid])
+    _, freed = pair.call("land", rest, DISK, 0, pair.call("allocate", DISK, 0, 1), 8, True)
+    pair.call("release_slots", GPU, 0, freed, 0)
+    assert pair.call("copy_of", pid) == -1 and pair.call("page_info", copy)["dead"]
+    assert pair.call("counters")["copies"] == 0
+    slot = pair.call("page_info", copy)["slot"]
+    assert pair.call("drop_victims", DISK, drops)[1] == [slot]     # the copy's slot, to the drop's caller
+    pair.call("release_slots", DISK, 0, [slot], 0)
+    assert pair.call("find", 1)[2] == [pid] and pair.call("page_info", pid)["tier"] == DISK
+    pair.compare_full((), [1])
+    assert pair.check_result() is None
+
+
+def test_copy_claim_minus_one_is_settled():
+    """The first copy claim is -1, which end_claims used as its "no claim yet" mark: landing or
+    failing that batch settled nothing, and a Store future on it (an acquire of a host page
+    being copied waits for it) would never have resolved."""
+    pair = Pair(2, [FULL], [[0], [0], [0]], [[2], [2], [4]], write_through=True)
+    s, _, _ = pair.call("open", [1, 2], 35)
+    pair.call("extend_now", s, 2)
+    assert pair.call("commit", s, 2) == -1
+    pair.call("close", s)
+    pages, claims = pair.call("take_copies", 1)
+    assert claims == [-1] and len(pages) == 1
+    assert pair.call("unclaim", pages) == [-1]                     # a failed copy
+    pages, claims = pair.call("take_copies", 1)                    # the other page
+    assert claims == [-2]
+    assert pair.call("land_copies", pages, 0, pair.call("allocate", DISK, 0, 1), 3) == [-2]
+    assert pair.call("copies_pending") == 1                       # the failed one is tried again
+    pages, claims = pair.call("take_copies", 4)
+    assert claims == [-3] and len(pages) == 1
+    assert pair.call("land_copies", pages, 0, pair.call("allocate", DISK, 0, 1), 4) == [-3]
+    assert pair.call("copies_pending") == 0 and pair.call("counters")["copies"] == 2
+    pair.compare_full((), [1, 2])
     assert pair.check_result() is None

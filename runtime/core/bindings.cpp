@@ -290,6 +290,25 @@ NB_MODULE(_core, m) {
              auto r = c.drop_victims(tier, ids(c, p));
              return nb::make_tuple(r.claims, r.slots);
            })
+      // -- clean copies (write-through to disk)
+      .def("set_write_through", &Core::set_write_through)
+      .def("write_through", &Core::write_through)
+      .def("copies_pending", &Core::copies_pending)
+      .def("take_copies", [](Core& c, int32_t max_pages) {
+             if (max_pages < 0) throw nb::value_error("max_pages must not be negative");
+             Ids claims;
+             Ids pages = c.take_copies(max_pages, claims);
+             return nb::make_tuple(Pages{std::move(pages)}, claims);
+           })
+      .def("land_copies", [](Core& c, const Pages& p, int32_t group, const Ids& slots, int32_t event) {
+             return c.land_copies(ids(c, p), group, slots, event);
+           })
+      .def("swap_to_copies", [](Core& c, const Pages& p) {
+             kvtier::Settled out;
+             Ids rest = c.swap_to_copies(ids(c, p), out);
+             return nb::make_tuple(out.claims, out.slots, Pages{std::move(rest)});
+           })
+      .def("copy_of", [](const Core& c, int32_t id) { c.page(id); return c.copy_of(id); })
       .def("split_batches", [](const Core& c, const Pages& p, int dst_tier) {
              nb::list out;
              for (auto& b : c.split_batches(ids(c, p), dst_tier))
@@ -320,7 +339,7 @@ NB_MODULE(_core, m) {
                r.lc = uint16_t(pg.lc);
                r.priority = uint8_t(pg.priority);
                r.ptag = kvtier::DiskRecord::kTagNone;
-               if (pg.published && pg.block >= 0) {
+               if ((pg.published || pg.copy) && pg.block >= 0) {   // a copy names its block as its primary does
                  const kvtier::Block& b = c.block(pg.block);
                  r.ktag = b.key.tag;
                  std::memcpy(r.key, b.key.bytes, 16);
@@ -475,6 +494,11 @@ NB_MODULE(_core, m) {
              d["recovered"] = k.recovered;
              d["orphaned"] = k.orphaned;
              d["discarded"] = k.discarded;
+             d["copies_made"] = k.copies_made;
+             d["copies_kept"] = k.copies_kept;
+             d["copy_swaps"] = k.copy_swaps;
+             d["copies_evicted"] = k.copies_evicted;
+             d["copies"] = k.copies;
              return d;
            })
       .def("state_counts", &Core::state_counts)
@@ -496,6 +520,7 @@ NB_MODULE(_core, m) {
              d["holders"] = int(p.holders);
              d["published"] = bool(p.published);
              d["dead"] = bool(p.dead);
+             d["copy"] = bool(p.copy);
              d["claim"] = p.claim;
              d["stamp"] = p.stamp;
              d["priority"] = int(p.priority);

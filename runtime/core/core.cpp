@@ -96,6 +96,7 @@ int32_t Core::new_page(int32_t block, int lc, int tier, int group, int32_t slot,
   p.priority = uint8_t(priority);
   set_block(id, block);
   owners_[tier][group][slot] = id;
+  if (wt_on_ && copy_of_.size() < pt_.pages.size()) copy_of_.resize(pt_.pages.size(), -1);
   return id;
 }
 
@@ -103,6 +104,11 @@ void Core::touch(int32_t id) {
   Page& p = pt_[id];
   p.stamp = ++clock_;
   if (p.queued) queues_[p.tier][p.group].touch(pt_, id);
+  if (has_copy(id)) {                 // a copy is as recent as its primary: the disk keeps hot prefixes
+    Page& c = pt_[copy_of_[size_t(id)]];
+    c.stamp = p.stamp;
+    if (c.queued) queues_[DISK][c.group].touch(pt_, copy_of_[size_t(id)]);
+  }
 }
 
 void Core::requeue(int32_t id) {
@@ -482,7 +488,7 @@ bool Core::acquire_now(int32_t s) {
   require(!q.acquired, "sequence is already acquired");
   Ids pages = needed_pages(q);
   for (int32_t id : pages)
-    if (id < 0 || pt_[id].dead || pt_[id].tier != GPU || pt_[id].claim) return false;
+    if (id < 0 || pt_[id].dead || pt_[id].tier != GPU || pt_[id].claim > 0) return false;
   lock(pages);
   for (int32_t id : pages) touch(id);
   q.acquired = true;
@@ -507,7 +513,9 @@ void Core::acquire_scan(int32_t s, Ids& holes, Ids& claims) {
   }
   if (!holes.empty()) return;
   for (auto [b, lc] : need) {
-    int32_t c = pt_[q.pages[size_t(b) * nl + lc]].claim;
+    const Page& p = pt_[q.pages[size_t(b) * nl + lc]];
+    int32_t c = p.claim;
+    if (c < 0 && p.tier == GPU) continue;       // a copy reads it in place: it can be locked meanwhile
     if (c && std::find(claims.begin(), claims.end(), c) == claims.end()) claims.push_back(c);
   }
 }
@@ -911,6 +919,7 @@ Ids Core::claim(const Ids& pages, int to_tier, bool one_queue) {
   for (int32_t id : pages) {
     Page& p = pt_[id];
     require(!p.dead, "claiming a freed page");
+    require(!p.claim, "claiming a page already claimed");
     int32_t d = dst_group[p.lc];
     if (p.tier != kt || p.group != kg || d != kd) {
       kt = p.tier, kg = p.group, kd = d;
@@ -963,7 +972,7 @@ Ids Core::end_claims(const Ids& pages, Ids& live) {
   Ids order(pages);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; });
   Ids settled;
-  int32_t cur = -1;
+  int32_t cur = 0;                     // 0: no claim; -1 is a copy claim
   for (int32_t id : order) {
     Page& p = pt_[id];
     if (p.claim != cur) {
@@ -992,6 +1001,9 @@ void Core::relabel_later(const Ids& pages) {
 }
 
 Ids Core::unclaim(const Ids& pages) {
+  if (wt_on_)                                      // a copy that failed is tried again later
+    for (int32_t id : pages)
+      if (pt_[id].claim < 0) wt_pending_.push_back(id);
   Ids live;
   Ids settled = end_claims(pages, live);
   queue_all(live);
@@ -1014,7 +1026,7 @@ bool Core::pick_victims(int tier, int group, int32_t need, int32_t extra, Ids& v
 
 bool Core::droppable(const Ids& pages) const {
   for (int32_t id : pages)
-    if (!pt_[id].published || pt_[id].holders) return false;
+    if (!pt_[id].copy && (!pt_[id].published || pt_[id].holders)) return false;
   return true;
 }
 
@@ -1035,7 +1047,17 @@ Settled Core::drop_victims(int tier, const Ids& victims) {
     allocs_[p.tier][p.group].set_fence(p.slot, p.ready);   // its next owner waits on the page's last copy
     out.slots.push_back(p.slot);
     // a page already freed by an ancestor's subtree drop keeps its slot for the caller too
-    if (p.dead) maybe_recycle(id); else drop(id, false);
+    if (p.dead) {
+      maybe_recycle(id);
+    } else if (p.copy) {                           // its primary stays: only the copy leaves
+      copy_of_[size_t(index_.page(p.block, p.lc))] = -1;
+      ++counters_.copies_evicted;
+      --counters_.copies;
+      p.dead = true;
+      maybe_recycle(id);
+    } else {
+      drop(id, false);
+    }
   }
   if (tier == DISK && !out.slots.empty()) disk_frees_.push_back({group, out.slots});
   return out;
@@ -1075,10 +1097,22 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
   freed.reserve(batch.size());
   Ids& src_owners = owners_[src_tier][src_group];
   Ids& dst_owners = owners_[dst_tier][dst_group];
+  // write-through: a published page promoted from the disk keeps its disk slot as a clean copy
+  bool keep = wt_on_ && src_tier == DISK && !handoff;
+  Ids kept;
   for (size_t i = 0; i < batch.size(); ++i) {
+    // a page that itself lands on the disk needs no copy there (one whose copy was claimed by a drop
+    // in flight, or not swapped onto): its copy goes, as the invariants want no primary on the disk
+    if (dst_tier == DISK && has_copy(batch[i])) free_copy(batch[i]);
     Page& p = pt_[batch[i]];
-    freed.push_back(p.slot);
     src_owners[p.slot] = -1;
+    // (not one published while claimed: its disk record is still anonymous, a copy recovery would forget)
+    if (keep && !p.dead && p.published && !p.relabel && p.block >= 0 && index_.page(p.block, p.lc) == batch[i]) {
+      kept.push_back(batch[i]);
+      kept.push_back(p.slot);
+    } else {
+      freed.push_back(p.slot);
+    }
     if (kv_events_.on && p.published) note(KV_REMOVED, batch[i]);
     p.tier = int8_t(dst_tier);
     p.group = uint8_t(dst_group);
@@ -1087,7 +1121,20 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
     dst_owners[dst_slots[i]] = batch[i];
   }
   if (kv_events_.on) note_arrivals(batch);
-  if (src_tier == DISK) disk_frees_.push_back({src_group, freed});
+  for (size_t i = 0; i < kept.size(); i += 2) {
+    int32_t id = kept[i];
+    int32_t block = pt_[id].block, lc = pt_[id].lc, prio = pt_[id].priority;
+    int32_t c = new_page(block, lc, DISK, src_group, kept[i + 1], prio);
+    Page& cp = pt_[c];
+    cp.copy = true;
+    cp.stamp = pt_[id].stamp;
+    cp.ready = event;                              // the slot's last reader: this move
+    copy_of_[size_t(id)] = c;
+    ++counters_.copies_kept;
+    ++counters_.copies;
+    queues_[DISK][src_group].push(pt_, c);
+  }
+  if (src_tier == DISK && !freed.empty()) disk_frees_.push_back({src_group, freed});
   if (handoff) {                                   // the caller's next writer waits on this batch's reads
     for (int32_t slot : freed) allocs_[src_tier][src_group].set_fence(slot, event);
     out.slots = freed;
@@ -1101,6 +1148,158 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
   }
   relabel_later(live);
   return out;
+}
+
+// -- clean copies ------------------------------------------------------------------------
+
+void Core::set_write_through(bool on) {
+  require(!on || !allocs_[DISK].empty(), "write-through needs a disk tier");
+  if (!on) require(counters_.copies == 0, "write-through cannot be turned off while copies exist");
+  wt_on_ = on;
+  if (!on) wt_pending_.clear();
+  if (on && copy_of_.size() < pt_.pages.size()) copy_of_.resize(pt_.pages.size(), -1);
+}
+
+int32_t Core::next_copy_claim() {
+  copy_claim_counter_ = copy_claim_counter_ <= INT32_MIN + 1 ? -1 : copy_claim_counter_ - 1;
+  return copy_claim_counter_;
+}
+
+void Core::free_copy(int32_t primary) {
+  int32_t c = copy_of_[size_t(primary)];
+  copy_of_[size_t(primary)] = -1;
+  --counters_.copies;
+  free_page(c);                        // a copy claimed by a drop in flight keeps its slot for that drop
+}
+
+Ids Core::take_copies(int32_t max_pages, Ids& claims) {
+  claims.clear();
+  Ids taken, later;
+  size_t i = 0;
+  for (; i < wt_pending_.size() && int32_t(taken.size()) < max_pages; ++i) {
+    int32_t id = wt_pending_[i];
+    if (!valid_page(id)) continue;
+    Page& p = pt_[id];
+    if (!p.in_use() || p.dead || !p.published || p.copy || p.tier == DISK || has_copy(id) || p.block < 0 ||
+        index_.page(p.block, p.lc) != id)
+      continue;                                    // gone, or on the disk already
+    if (p.claim || p.locks) {                      // busy now: try again later
+      later.push_back(id);
+      continue;
+    }
+    taken.push_back(id);
+    p.claim = -1;                                  // a placeholder: a duplicate entry now reads as busy
+  }
+  later.insert(later.end(), wt_pending_.begin() + std::ptrdiff_t(i), wt_pending_.end());
+  wt_pending_.swap(later);
+  // one copy claim per (source tier, source group, disk group), as claim() makes them
+  struct K {
+    int8_t tier;
+    int32_t group, dst, claim;
+  };
+  std::vector<K> keys;
+  for (int32_t id : taken) {
+    Page& p = pt_[id];
+    int32_t d = group_of_[DISK][p.lc];
+    int32_t cur = 0;
+    for (const K& k : keys)
+      if (k.tier == p.tier && k.group == p.group && k.dst == d) cur = k.claim;
+    if (!cur) {
+      cur = next_copy_claim();
+      keys.push_back({p.tier, p.group, d, cur});
+      claims.push_back(cur);
+    }
+    p.claim = cur;
+    unqueue(id);
+  }
+  return taken;
+}
+
+Ids Core::land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t event) {
+  require(batch.size() == slots.size(), "land_copies: one slot per page");
+  require(group >= 0 && group < n_groups(DISK), "land_copies: no such disk group");
+  for (size_t i = 0; i < batch.size(); ++i) {
+    int32_t s = slots[i];
+    require(s >= 0 && s < allocs_[DISK][group].capacity() && !allocs_[DISK][group].is_free(s) &&
+                owners_[DISK][group][s] < 0,
+            "land_copies: a slot that is not allocated, or owned");
+    require(pt_[batch[i]].claim < 0, "land_copies: a page without a copy claim");
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    int32_t id = batch[i];
+    const Page& p = pt_[id];
+    if (!p.dead && p.published && p.tier != DISK && p.block >= 0 && index_.page(p.block, p.lc) == id &&
+        !has_copy(id) && group_of_[DISK][p.lc] == group) {
+      int32_t block = p.block, lc = p.lc, prio = p.priority;
+      int64_t stamp = p.stamp;
+      int32_t c = new_page(block, lc, DISK, group, slots[i], prio);
+      Page& cp = pt_[c];
+      cp.copy = true;
+      cp.stamp = stamp;
+      cp.ready = event;
+      copy_of_[size_t(id)] = c;
+      ++counters_.copies_made;
+      ++counters_.copies;
+      queues_[DISK][group].push(pt_, c);
+    } else {
+      release_slot(DISK, group, slots[i], event);
+    }
+  }
+  Ids live;
+  Ids settled = end_claims(batch, live);
+  queue_all(live);
+  relabel_later(live);
+  return settled;
+}
+
+Ids Core::swap_to_copies(const Ids& victims, Settled& out) {
+  out.claims.clear();
+  out.slots.clear();
+  Ids rest, moved;
+  for (int32_t id : victims) {
+    Page& p = pt_[id];
+    int32_t c = has_copy(id) ? copy_of_[size_t(id)] : -1;
+    if (c < 0 || p.dead || pt_[c].claim || p.tier == DISK) {
+      rest.push_back(id);
+      continue;
+    }
+    require(p.claim > 0, "swap_to_copies: a victim that is not claimed");
+    owners_[p.tier][p.group][p.slot] = -1;
+    allocs_[p.tier][p.group].set_fence(p.slot, p.ready);   // its next owner waits on the page's last copy
+    out.slots.push_back(p.slot);
+    if (kv_events_.on && p.published) note(KV_REMOVED, id);
+    Page& cp = pt_[c];
+    unqueue(c);
+    p.tier = DISK;
+    p.group = cp.group;
+    p.slot = cp.slot;
+    p.ready = cp.ready;
+    owners_[DISK][p.group][p.slot] = id;
+    copy_of_[size_t(id)] = -1;
+    cp.dead = true;
+    set_block(c, -1);
+    pt_.recycle(c);
+    ++counters_.copy_swaps;
+    --counters_.copies;
+    moved.push_back(id);
+  }
+  if (moved.empty()) return rest;
+  if (kv_events_.on) note_arrivals(moved);
+  Ids still;                                        // claims a victim still to move holds stay open
+  for (int32_t id : rest)
+    if (pt_[id].claim && std::find(still.begin(), still.end(), pt_[id].claim) == still.end()) still.push_back(pt_[id].claim);
+  Ids order(moved);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; });
+  for (int32_t id : order) {
+    Page& p = pt_[id];
+    if (std::find(still.begin(), still.end(), p.claim) == still.end() &&
+        std::find(out.claims.begin(), out.claims.end(), p.claim) == out.claims.end())
+      out.claims.push_back(p.claim);
+    p.claim = 0;
+    if (!p.queued && evictable(p)) queues_[DISK][p.group].push(pt_, id);
+  }
+  relabel_later(moved);
+  return rest;
 }
 
 Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
@@ -1118,23 +1317,76 @@ Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
 
 // -- the disk tier across restarts -----------------------------------------------------
 
+bool Core::reaches_disk(int32_t b, const std::vector<uint8_t>& chosen, std::vector<int8_t>& memo) const {
+  // A block reaches the disk when one of its pages does and every prefix-critical one does, and so
+  // does its parent: recovery needs the parent's key to attach a record. memo: -1 unknown, 0, 1.
+  Ids path;
+  int32_t x = b;
+  while (x >= 0 && memo[size_t(x)] < 0) {
+    path.push_back(x);
+    x = index_.blocks[x].parent;
+  }
+  bool ok = x < 0 || memo[size_t(x)] == 1;
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    const Block& blk = index_.blocks[*it];
+    bool any = false, critical = true;
+    for (int lc = 0; lc < n_lcs(); ++lc) {
+      int32_t id = index_.page(*it, lc);
+      if (id < 0) continue;
+      const Page& p = pt_[id];
+      bool there = !p.dead && (p.tier == DISK || has_copy(id) || chosen[size_t(id)]);
+      any = any || there;
+      if (!there && lcs_[lc].prefix_critical(blk.depth, tpb_)) critical = false;
+    }
+    ok = ok && any && critical;
+    memo[size_t(*it)] = ok ? 1 : 0;
+  }
+  return ok;
+}
+
 std::vector<Ids> Core::persist_candidates() const {
   std::vector<Ids> out(allocs_[DISK].size());
   if (out.empty()) return out;
   Ids pending;
+  std::vector<uint8_t> chosen(pt_.pages.size(), 0);
   index_.for_each_indexed([&](int32_t b) {
     for (int lc = 0; lc < n_lcs(); ++lc) {
       int32_t id = index_.page(b, lc);
       if (id < 0) continue;
       const Page& p = pt_[id];
-      if (!p.dead && p.published && p.tier != DISK && !p.claim && !p.locks) pending.push_back(id);
+      if (!p.dead && p.published && p.tier != DISK && !p.claim && !p.locks && !has_copy(id)) {
+        pending.push_back(id);
+        chosen[size_t(id)] = 1;
+      }
     }
   });
+  // Only pages whose ancestors reach the disk too: a page persisted under an ancestor that stays
+  // behind (locked by a running request, or cut by the capacity) is unreachable after a restart.
+  std::vector<int8_t> memo(index_.blocks.size(), -1);
+  auto keep_reachable = [&](Ids& pages) {
+    std::fill(memo.begin(), memo.end(), int8_t(-1));
+    Ids kept;
+    for (int32_t id : pages)
+      if (reaches_disk(pt_[id].block, chosen, memo)) kept.push_back(id);
+      else chosen[size_t(id)] = 0;
+    pages.swap(kept);
+  };
+  keep_reachable(pending);
   std::sort(pending.begin(), pending.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp > pt_[b].stamp; });
+  Ids capped;
+  std::vector<int32_t> room(out.size());
+  for (size_t g = 0; g < out.size(); ++g) room[g] = allocs_[DISK][g].capacity();
   for (int32_t id : pending) {
     int32_t g = group_of_[DISK][pt_[id].lc];
-    if (int32_t(out[g].size()) < allocs_[DISK][g].capacity()) out[g].push_back(id);
+    if (room[size_t(g)] > 0) {
+      --room[size_t(g)];
+      capped.push_back(id);
+    } else {
+      chosen[size_t(id)] = 0;
+    }
   }
+  keep_reachable(capped);
+  for (int32_t id : capped) out[size_t(group_of_[DISK][pt_[id].lc])].push_back(id);
   return out;
 }
 
@@ -1145,7 +1397,7 @@ Ids Core::still_persistable(const Ids& pages, int32_t group) const {
     const Page& p = pt_[id];
     // the id may have been recycled since the candidates were taken: still the index's page?
     if (p.in_use() && !p.dead && !p.claim && p.tier != DISK && p.published && p.block >= 0 &&
-        index_.page(p.block, p.lc) == id && group_of_[DISK][p.lc] == group)
+        index_.page(p.block, p.lc) == id && group_of_[DISK][p.lc] == group && !has_copy(id))
       out.push_back(id);
   }
   return out;
@@ -1313,7 +1565,8 @@ size_t Core::live_blocks() const {
 
 size_t Core::memory_bytes() const {
   size_t n = pt_.pages.capacity() * sizeof(Page) + index_.blocks.capacity() * sizeof(Block) +
-             index_.pages.capacity() * sizeof(int32_t) + index_.table_bytes() + kv_events_.memory_bytes();
+             index_.pages.capacity() * sizeof(int32_t) + index_.table_bytes() + kv_events_.memory_bytes() +
+             (copy_of_.capacity() + wt_pending_.capacity()) * sizeof(int32_t);
   for (auto& t : owners_)
     for (auto& o : t) n += o.capacity() * sizeof(int32_t);
   return n;
@@ -1327,7 +1580,7 @@ std::vector<std::vector<std::vector<int64_t>>> Core::state_counts() const {
       for (int32_t id : o) {
         if (id < 0) continue;
         const Page& p = pt_[id];
-        ++c[p.locks ? 0 : (p.holders || !p.published) ? 1 : 2];
+        ++c[p.locks ? 0 : p.copy ? 2 : (p.holders || !p.published) ? 1 : 2];
       }
       out[t].push_back(c);
     }
@@ -1349,6 +1602,13 @@ void Core::check() const {
         require(!a.is_free(s), "a slot is owned and free");
         require(p.tier == t && p.group == int(g) && p.slot == s, "a page is misfiled");
         require((p.queued != NOT_QUEUED) == evictable(p), "queue membership differs from evictability");
+        if (p.copy) {
+          require(t == DISK && !p.published && !p.holders && !p.locks, "a copy outside the disk, or held");
+          require(p.block >= 0 && index_.blocks[p.block].indexed, "a copy of a block that is not indexed");
+          int32_t primary = index_.page(p.block, p.lc);
+          require(primary >= 0 && copy_of(primary) == id && pt_[primary].tier != DISK,
+                  "a copy its block's primary does not name");
+        }
         queued += p.queued != NOT_QUEUED;
       }
       require(used == a.used(), "owned slots differ from allocated slots");
@@ -1365,7 +1625,8 @@ void Core::check() const {
       int32_t id = index_.page(int32_t(b), lc);
       if (id < 0) continue;
       const Page& p = pt_[id];
-      require(p.in_use() && p.published && !p.dead, "an index page is unpublished or dead");
+      require(p.in_use() && p.published && !p.dead && !p.copy, "an index page is unpublished, dead or a copy");
+      if (has_copy(id)) require(pt_[copy_of_[size_t(id)]].copy && !pt_[copy_of_[size_t(id)]].dead, "a primary names no live copy");
       require(owners_[p.tier][p.group][p.slot] == id, "an index page does not own its slot");
     }
   }

@@ -17,7 +17,10 @@
 //   the last tier also published and unheld;
 // - every prefix-critical page of an indexed block is present (dropping one
 //   drops the block's subtree), so a match only checks the other pages;
-// - each sequence row cell that names a page counts once in its holders.
+// - each sequence row cell that names a page counts once in its holders;
+// - clean copies (write-through, see below): a copy is a disk page of a block whose
+//   index page (the primary) lives in a warmer tier and names it in copy_of_; a
+//   primary has at most one copy, and only a published, live primary has one.
 #pragma once
 
 #include <cstddef>
@@ -79,6 +82,12 @@ struct Counters {
   int64_t recovered = 0;
   int64_t orphaned = 0;     // recovery: well-formed pages unreachable (an ancestor's page never reached the disk)
   int64_t discarded = 0;    // recovery: records that do not fit the layout or the tree (bad, duplicate)
+  // clean copies (write-through)
+  int64_t copies_made = 0;      // copies landed by land_copies
+  int64_t copies_kept = 0;      // disk slots kept as copies when their page was promoted
+  int64_t copy_swaps = 0;       // demotions onto a copy: no bytes moved
+  int64_t copies_evicted = 0;   // copies dropped by the disk's eviction (their primary stays)
+  int64_t copies = 0;           // live copy records now
 };
 
 struct RecoveredRecord {
@@ -182,14 +191,38 @@ class Core {
   bool droppable(const Ids& pages) const;         // all published and unheld
   Settled drop_victims(int tier, const Ids& victims);
   std::vector<BatchSpec> split_batches(const Ids& pages, int dst_tier) const;
-  // A batch that moved into (dst_tier, dst_group) at dst_slots, with `event`.
+  // A batch that moved into (dst_tier, dst_group) at dst_slots, with `event`. With
+  // write-through on, a published page promoted from the disk (no handoff) keeps its
+  // disk slot as its clean copy; a page that lands on the disk loses its copy.
   Settled land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff);
   // Disk pages found corrupt (at these source slots) are dropped; returns their depths.
   Ids discard_corrupt(const Ids& batch, const Ids& bad_slots);
 
+  // -- clean copies (write-through to disk) ----------------------------------------
+  // With write-through on, every page published outside the disk tier is queued
+  // for a copy. take_copies claims up to max_pages of them that are free to read
+  // now (unlocked, unclaimed), in publish order, with copy claims: negative ids,
+  // which an acquire of a GPU page does not wait for (the page stays in place).
+  // Busy ones stay queued; gone ones (dead, moved to disk, unpublished) leave.
+  void set_write_through(bool on);
+  bool write_through() const { return wt_on_; }
+  Ids take_copies(int32_t max_pages, Ids& claims);
+  size_t copies_pending() const { return wt_pending_.size(); }
+  // The claimed batch was written to (DISK, group) at slots: each page still the
+  // live, published primary of its block (and without a copy) gets its copy
+  // there; the other slots are freed. Ends the batch's claims (returned).
+  Ids land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t event);
+  // Victims claimed for a move to DISK that have an unclaimed copy take over
+  // the copy's slot (no bytes move). Their source slots go to the caller
+  // (out.slots, fenced as drop_victims does); the claims that no remaining
+  // victim holds end (out.claims). Returns the victims still to move.
+  Ids swap_to_copies(const Ids& victims, Settled& out);
+  int32_t copy_of(int32_t id) const { return has_copy(id) ? copy_of_[size_t(id)] : -1; }
+
   // -- the disk tier across restarts ----------------------------------------------
-  // Published pages not on disk, unclaimed and unlocked, most recent first,
-  // per disk group, at most `capacity` each.
+  // Published pages not on disk (nor with a copy there), unclaimed and unlocked,
+  // most recent first, per disk group, at most `capacity` each; only pages whose
+  // blocks reach the disk (reaches_disk), checked before and after the cut.
   std::vector<Ids> persist_candidates() const;
   Ids still_persistable(const Ids& pages, int32_t group) const;   // still the index's pages, bound for group
   // Rebuild the index from recovered records; returns slots to forget per group
@@ -239,19 +272,28 @@ class Core {
 
  private:
   bool evictable(const Page& p) const {
-    return !p.locks && !p.claim && !p.dead && (p.tier != last_tier_ || (p.published && !p.holders));
+    return !p.locks && !p.claim && !p.dead && (p.copy || p.tier != last_tier_ || (p.published && !p.holders));
   }
+  bool has_copy(int32_t id) const { return size_t(id) < copy_of_.size() && copy_of_[size_t(id)] >= 0; }
+  void free_copy(int32_t primary);             // its copy leaves the store (slot freed, or kept by a claim)
+  int32_t next_copy_claim();
+  bool reaches_disk(int32_t b, const std::vector<uint8_t>& chosen, std::vector<int8_t>& memo) const;
   void note(KvEventKind kind, int32_t id);     // a KV event for the page's block, in its tier
   void note_arrivals(const Ids& batch);        // STORED for a landed batch, chain by chain
   void give_tokens(const Seq& q, int32_t i, int32_t b) {   // KV events: position i's tokens to block b
     if (kv_events_.on && size_t(i + 1) * size_t(tpb_) <= q.tokens.size() && !kv_events_.has_tokens(b))
       kv_events_.set_tokens(b, &q.tokens[size_t(i) * size_t(tpb_)]);
   }
-  void publish(int32_t id) { pt_[id].published = true; if (kv_events_.on) note(KV_STORED, id); }
+  void publish(int32_t id) {
+    pt_[id].published = true;
+    if (kv_events_.on) note(KV_STORED, id);
+    if (wt_on_ && pt_[id].tier != DISK) wt_pending_.push_back(id);
+  }
   void unpublish(int32_t id) {
     Page& p = pt_[id];
     if (p.published && kv_events_.on) note(KV_REMOVED, id);
     p.published = false;
+    if (has_copy(id)) free_copy(id);
   }
   void requeue(int32_t id);
   void queue_all(const Ids& pages);               // the evictable ones among unqueued pages
@@ -296,6 +338,14 @@ class Core {
   Ids free_seqs_;
   int64_t clock_ = 0;
   int32_t claim_counter_ = 0;
+  int32_t copy_claim_counter_ = 0;                     // copy claims count down from -1
+  // Clean copies. copy_of_[primary] -> its copy (-1: none); sized with the page
+  // table while write-through is on, empty otherwise. Invariant: a recycled id's
+  // entry is -1. wt_pending_: pages published outside the disk, to copy (ids may
+  // go stale: take_copies filters them).
+  bool wt_on_ = false;
+  std::vector<int32_t> copy_of_;
+  Ids wt_pending_;
   Counters counters_;
   std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
   Ids relabels_;                                       // pages to relabel (filtered at take)

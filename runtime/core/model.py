@@ -30,7 +30,11 @@ the core:
   found corrupt on disk) becomes its block's page when the block is
   committed (the old store published it without indexing it);
 - recovery skips a record of a pool group that does not exist and discards
-  one whose depth is negative or whose slot another record already took.
+  one whose depth is negative or whose slot another record already took;
+- clean copies (write-through to disk), which the old store never had: a
+  published page outside the disk may have a copy on the disk (``copy_map``),
+  made by ``take_copies``/``land_copies`` or kept when a disk page is
+  promoted, taken over by a demotion (``swap_to_copies``), evicted alone.
 
 Everything here is single-threaded bookkeeping; it does no I/O and never
 waits, exactly like the core.
@@ -53,6 +57,7 @@ PRIORITIES = 101                      # 0..100
 REQUIRED, SINK_REQUIRED_ONLY, OPTIONAL, PRIVATE = 0, 1, 2, 3
 _REUSE = (ReusePolicy.REQUIRED, ReusePolicy.SINK_REQUIRED_ONLY, ReusePolicy.OPTIONAL, ReusePolicy.PRIVATE)
 _INT32_MAX = (1 << 31) - 1
+_INT32_MIN = -(1 << 31)
 
 NOT_QUEUED, IN_ORDER, LATE = 0, 1, 2
 
@@ -268,7 +273,7 @@ class Page:
     ``holders`` (or unpublished), else DROPPABLE."""
 
     __slots__ = ("stamp", "block", "slot", "claim", "ready", "locks", "holders", "lc", "tier", "group",
-                 "priority", "queued", "published", "dead", "relabel", "in_use")
+                 "priority", "queued", "published", "dead", "relabel", "in_use", "copy")
 
     def __init__(self) -> None:
         self.stamp = 0            # recency: larger is more recent
@@ -287,6 +292,8 @@ class Page:
         self.dead = False         # left the store; its slot is freed once no claim holds it
         self.relabel = False      # published while claimed: relabel its journal record if it ends on disk
         self.in_use = False       # the id is allocated
+        self.copy = False         # a clean copy (write-through): a disk page of a block whose index page
+                                  # (the primary) lives in a warmer tier; never held, locked or published
 
 
 class Block:
@@ -320,7 +327,8 @@ class Seq:
 
 
 class Counters:
-    __slots__ = ("hits", "lookup_blocks", "drops", "recovered", "orphaned", "discarded")
+    __slots__ = ("hits", "lookup_blocks", "drops", "recovered", "orphaned", "discarded", "copies_made",
+                 "copies_kept", "copy_swaps", "copies_evicted", "copies")
 
     def __init__(self) -> None:
         self.hits = [0, 0, 0]
@@ -329,6 +337,11 @@ class Counters:
         self.recovered = 0
         self.orphaned = 0
         self.discarded = 0
+        self.copies_made = 0          # copies landed by land_copies
+        self.copies_kept = 0          # disk slots kept as copies when their page was promoted
+        self.copy_swaps = 0           # demotions onto a copy: no bytes moved
+        self.copies_evicted = 0       # copies dropped by the disk's eviction (their primary stays)
+        self.copies = 0               # live copy records now
 
 
 # -- the prioritised LRU ----------------------------------------------------------------------------
@@ -472,6 +485,12 @@ class ModelCore:
         self.free_seqs: list[int] = []
         self._clock = 0
         self.claim_counter = 0
+        self.copy_claim_counter = 0                         # copy claims count down from -1
+        # Clean copies (write-through): copy_map[primary] -> its copy (absent: none); wt_pending: pages
+        # published outside the disk, to copy (ids may go stale: take_copies filters them).
+        self.wt_on = False
+        self.copy_map: dict[int, int] = {}
+        self.wt_pending: list[int] = []
         self.counters_ = Counters()
         self.disk_frees: list[tuple[int, list[int]]] = []   # drained by take_disk_frees
         self.relabels: list[int] = []                       # filtered when taken
@@ -561,6 +580,10 @@ class ModelCore:
         self.claim_counter = 1 if self.claim_counter == _INT32_MAX else self.claim_counter + 1
         return self.claim_counter
 
+    def _next_copy_claim(self) -> int:
+        self.copy_claim_counter = -1 if self.copy_claim_counter <= _INT32_MIN + 1 else self.copy_claim_counter - 1
+        return self.copy_claim_counter
+
     def _live_seq(self, s: int) -> Seq:
         if not 0 <= s < len(self.seqs) or not self.seqs[s].in_use:
             raise CoreError("no such sequence")
@@ -610,10 +633,36 @@ class ModelCore:
         p.stamp = self._clock
         if p.queued:
             self.queues[p.tier][p.group].touch(pid)
+        c = self.copy_map.get(pid, -1)
+        if c >= 0:                          # a copy is as recent as its primary: the disk keeps hot prefixes
+            cp = self.pt[c]
+            cp.stamp = p.stamp
+            if cp.queued:
+                self.queues[DISK][cp.group].touch(c)
+
+    def _has_copy(self, pid: int) -> bool:
+        return self.copy_map.get(pid, -1) >= 0
+
+    def _publish(self, pid: int) -> None:
+        """Indexed for reuse; with write-through on, a page outside the disk is queued for a copy."""
+        self.pt[pid].published = True
+        if self.wt_on and self.pt[pid].tier != DISK:
+            self.wt_pending.append(pid)
+
+    def _unpublish(self, pid: int) -> None:
+        self.pt[pid].published = False
+        if self._has_copy(pid):
+            self._free_copy(pid)
+
+    def _free_copy(self, primary: int) -> None:
+        """The primary's copy leaves the store (its slot freed, or kept by a claim: a drop in flight)."""
+        c = self.copy_map.pop(primary)
+        self.counters_.copies -= 1
+        self._free_page(c)
 
     def _evictable(self, p: Page) -> bool:
         return (not p.locks and not p.claim and not p.dead
-                and (p.tier != self._last_tier or (p.published and not p.holders)))
+                and (p.copy or p.tier != self._last_tier or (p.published and not p.holders)))
 
     def _requeue(self, pid: int) -> None:
         """Make queue membership match evictability (a queued page keeps its place)."""
@@ -664,7 +713,7 @@ class ModelCore:
         if not p.dead:
             self.counters_.drops += 1
         b, lc = p.block, p.lc
-        p.published = False
+        self._unpublish(pid)
         if b < 0:
             self._free_page(pid, release_slot)
             return
@@ -692,7 +741,7 @@ class ModelCore:
             for q in self.blocks[node].pages:
                 if q < 0 or self.pt[q].dead:
                     continue
-                self.pt[q].published = False
+                self._unpublish(q)
                 if self.pt[q].holders:
                     self._requeue(q)            # a live sequence keeps it; freed when it closes
                 else:
@@ -928,7 +977,7 @@ class ModelCore:
             if pid < 0:
                 return False
             p = self.pt[pid]
-            if p.dead or p.tier != GPU or p.claim:
+            if p.dead or p.tier != GPU or p.claim > 0:     # a copy (claim < 0) reads it in place
                 return False
             pages.append(pid)
         for pid in pages:
@@ -955,7 +1004,10 @@ class ModelCore:
         if holes:
             return (holes, claims)
         for b, lc in need:
-            c = self.pt[q.pages[b][lc]].claim
+            p = self.pt[q.pages[b][lc]]
+            c = p.claim
+            if c < 0 and p.tier == GPU:
+                continue                        # a copy reads it in place: it can be locked meanwhile
             if c and c not in claims:
                 claims.append(c)
         return (holes, claims)
@@ -1125,11 +1177,11 @@ class ModelCore:
                 t = self.pt[theirs]
                 if t.holders or t.locks or t.claim or t.tier <= p.tier:
                     continue
-                t.published = False
+                self._unpublish(theirs)
                 self.blocks[node].pages[lc] = -1
                 self._free_page(theirs)
             self._set_block(pid, node)
-            p.published = True
+            self._publish(pid)
             self.blocks[node].pages[lc] = pid
             self._requeue(pid)
             self._published_cold(pid)
@@ -1171,7 +1223,7 @@ class ModelCore:
                         else:
                             self._set_block(pid, b)     # a page refilled in the row (fill_holes) becomes the block's
                             blk.pages[lc] = pid
-                            p.published = True
+                            self._publish(pid)
                             if not p.locks:
                                 self._requeue(pid)
                             self._published_cold(pid)
@@ -1280,6 +1332,7 @@ class ModelCore:
         for pid in ids:
             p = self.pt[pid]
             _require(not p.dead, "claiming a freed page")
+            _require(not p.claim, "claiming a page already claimed")
             d = dst_group[p.lc]
             if (p.tier, p.group, d) != key:
                 key = (p.tier, p.group, d)
@@ -1317,7 +1370,7 @@ class ModelCore:
         """Clear the claims on ``pids`` in stamp order: (claims settled, live
         pages oldest first); a page that died meanwhile frees its slot now."""
         settled, live = [], []
-        cur = -1
+        cur = 0                                 # no claim (-1 is a copy claim)
         for pid in sorted(pids, key=lambda i: self.pt[i].stamp):
             p = self.pt[pid]
             if p.claim != cur:
@@ -1342,6 +1395,10 @@ class ModelCore:
     def unclaim(self, pages: Pages) -> list[int]:
         """End the claims after a failure or give-up: settle them, free the
         slots of pages that died meanwhile, requeue the rest."""
+        if self.wt_on:                          # a copy that failed is tried again later
+            for pid in _page_ids(pages):
+                if self.pt[pid].claim < 0:
+                    self.wt_pending.append(pid)
         settled, live = self._end_claims(_page_ids(pages))
         self._queue_all(live)
         self._relabel_later(live)
@@ -1361,7 +1418,8 @@ class ModelCore:
         return (Pages(victims), claims)
 
     def droppable(self, pages: Pages) -> bool:
-        return all(self.pt[pid].published and not self.pt[pid].holders for pid in _page_ids(pages))
+        return all(self.pt[pid].copy or (self.pt[pid].published and not self.pt[pid].holders)
+                   for pid in _page_ids(pages))
 
     def drop_victims(self, tier: int, pages: Pages) -> tuple[list[int], list[int]]:
         """Drop claimed victims, deepest first; their slots go to the caller: (claims, slots)."""
@@ -1381,6 +1439,12 @@ class ModelCore:
             slots.append(p.slot)
             # a page already freed by an ancestor's subtree drop keeps its slot for the caller too
             if p.dead:
+                self._maybe_recycle(pid)
+            elif p.copy:                        # its primary stays: only the copy leaves
+                self.copy_map.pop(self.blocks[p.block].pages[p.lc], None)
+                self.counters_.copies_evicted += 1
+                self.counters_.copies -= 1
+                p.dead = True
                 self._maybe_recycle(pid)
             else:
                 self._drop(pid, release_slot=False)
@@ -1418,7 +1482,7 @@ class ModelCore:
         for i, pid in enumerate(ids):
             p = self.pt[pid]
             out[i]["lc"], out[i]["priority"], out[i]["ptag"] = p.lc, p.priority, journal.TAG_NONE
-            if p.published and p.block >= 0:
+            if (p.published or p.copy) and p.block >= 0:     # a copy names its block as its primary does
                 b = self.blocks[p.block]
                 out[i]["key_lo"], out[i]["key_hi"], out[i]["ktag"] = journal.encode_key(b.key)
                 out[i]["depth"] = b.depth
@@ -1439,13 +1503,33 @@ class ModelCore:
         _require(len(batch) == len(dst_slots) and len(batch) > 0, "land: one slot per page")
         src_tier, src_group = self.pt[batch[0]].tier, self.pt[batch[0]].group
         freed = []
+        # write-through: a published page promoted from the disk keeps its disk slot as a clean copy
+        keep = self.wt_on and src_tier == DISK and not handoff
+        kept: list[tuple[int, int]] = []
         for pid, s in zip(batch, dst_slots):
+            if dst_tier == DISK and self._has_copy(pid):
+                self._free_copy(pid)            # the page itself lands on the disk: its copy goes
             p = self.pt[pid]
-            freed.append(p.slot)
             self.owners[src_tier][src_group][p.slot] = -1
+            if (keep and not p.dead and p.published and not p.relabel and p.block >= 0
+                    and self.blocks[p.block].pages[p.lc] == pid):
+                kept.append((pid, p.slot))
+            else:
+                freed.append(p.slot)
             p.tier, p.group, p.slot, p.ready = dst_tier, dst_group, s, event
             self.owners[dst_tier][dst_group][s] = pid
-        if src_tier == DISK:
+        for pid, slot in kept:
+            p = self.pt[pid]
+            c = self._new_page(p.block, p.lc, DISK, src_group, slot, p.priority)
+            cp = self.pt[c]
+            cp.copy = True
+            cp.stamp = p.stamp
+            cp.ready = event                    # the slot's last reader: this move
+            self.copy_map[pid] = c
+            self.counters_.copies_kept += 1
+            self.counters_.copies += 1
+            self.queues[DISK][src_group].push(c)
+        if src_tier == DISK and freed:
             self.disk_frees.append((src_group, list(freed)))
         if handoff:                     # the caller's next writer waits on this batch's reads
             for s in freed:
@@ -1461,6 +1545,146 @@ class ModelCore:
                 self.queues[dst_tier][dst_group].push(pid)
         self._relabel_later(live)
         return (settled, out_slots)
+
+    # -- clean copies (write-through to disk) --------------------------------------------------------------------
+    def set_write_through(self, on: bool) -> None:
+        """With write-through on, every page published outside the disk tier is queued for a copy."""
+        _require(not on or len(self.allocs[DISK]) > 0, "write-through needs a disk tier")
+        if not on:
+            _require(self.counters_.copies == 0, "write-through cannot be turned off while copies exist")
+        self.wt_on = bool(on)
+        if not on:
+            self.wt_pending.clear()
+
+    def write_through(self) -> bool:
+        return self.wt_on
+
+    def copies_pending(self) -> int:
+        return len(self.wt_pending)
+
+    def copy_of(self, pid: int) -> int:
+        _require(0 <= pid < len(self.pt), "no such page")
+        return self.copy_map.get(pid, -1)
+
+    def take_copies(self, max_pages: int) -> tuple:
+        """Claim up to ``max_pages`` queued pages that are free to read now
+        (unlocked, unclaimed), in publish order, with copy claims: negative
+        ids, one per (source tier, source group, disk group), which an
+        acquire of a GPU page does not wait for. Busy ones stay queued; gone
+        ones (dead, on the disk, unpublished, with a copy) leave. (Pages, claims)."""
+        if max_pages < 0:
+            raise ValueError("max_pages must not be negative")
+        taken: list[int] = []
+        later: list[int] = []
+        pending = self.wt_pending
+        i = 0
+        while i < len(pending) and len(taken) < max_pages:
+            pid = pending[i]
+            i += 1
+            if not 0 <= pid < len(self.pt):
+                continue
+            p = self.pt[pid]
+            if (not p.in_use or p.dead or not p.published or p.copy or p.tier == DISK or self._has_copy(pid)
+                    or p.block < 0 or self.blocks[p.block].pages[p.lc] != pid):
+                continue                        # gone, or on the disk already
+            if p.claim or p.locks:              # busy now: try again later
+                later.append(pid)
+                continue
+            taken.append(pid)
+            p.claim = -1                        # a placeholder: a duplicate entry now reads as busy
+        later.extend(pending[i:])
+        self.wt_pending = later
+        claims: list[int] = []
+        keys: dict[tuple[int, int, int], int] = {}
+        for pid in taken:
+            p = self.pt[pid]
+            key = (p.tier, p.group, self.group_of[DISK][p.lc])
+            cur = keys.get(key, 0)
+            if not cur:
+                cur = keys[key] = self._next_copy_claim()
+                claims.append(cur)
+            p.claim = cur
+            self._unqueue(pid)
+        return (Pages(taken), claims)
+
+    def land_copies(self, pages: Pages, group: int, slots: list[int], event: int) -> list[int]:
+        """The claimed batch was written to (DISK, group) at ``slots``: each
+        page still the live, published primary of its block (without a copy)
+        gets its copy there; the other slots are freed. Returns the claims ended."""
+        batch = _page_ids(pages)
+        _require(len(batch) == len(slots), "land_copies: one slot per page")
+        _require(0 <= group < len(self.allocs[DISK]), "land_copies: no such disk group")
+        for pid, s in zip(batch, slots):
+            a = self.allocs[DISK][group]
+            _require(0 <= s < a.capacity and not a.is_free(s) and self.owners[DISK][group][s] < 0,
+                     "land_copies: a slot that is not allocated, or owned")
+            _require(self.pt[pid].claim < 0, "land_copies: a page without a copy claim")
+        for pid, s in zip(batch, slots):
+            p = self.pt[pid]
+            if (not p.dead and p.published and p.tier != DISK and p.block >= 0
+                    and self.blocks[p.block].pages[p.lc] == pid and not self._has_copy(pid)
+                    and self.group_of[DISK][p.lc] == group):
+                c = self._new_page(p.block, p.lc, DISK, group, s, p.priority)
+                cp = self.pt[c]
+                cp.copy = True
+                cp.stamp = p.stamp
+                cp.ready = event
+                self.copy_map[pid] = c
+                self.counters_.copies_made += 1
+                self.counters_.copies += 1
+                self.queues[DISK][group].push(c)
+            else:
+                self._release_slot(DISK, group, s, event)
+        settled, live = self._end_claims(batch)
+        self._queue_all(live)
+        self._relabel_later(live)
+        return settled
+
+    def swap_to_copies(self, pages: Pages) -> tuple:
+        """Victims claimed for a move to DISK that have an unclaimed copy take
+        over the copy's slot (no bytes move). (claims that no remaining victim
+        holds, their source slots (fenced as drop_victims does), the victims
+        still to move)."""
+        claims: list[int] = []
+        slots: list[int] = []
+        rest: list[int] = []
+        moved: list[int] = []
+        for pid in _page_ids(pages):
+            p = self.pt[pid]
+            c = self.copy_map.get(pid, -1)
+            if c < 0 or p.dead or self.pt[c].claim or p.tier == DISK:
+                rest.append(pid)
+                continue
+            _require(p.claim > 0, "swap_to_copies: a victim that is not claimed")
+            self.owners[p.tier][p.group][p.slot] = -1
+            self.allocs[p.tier][p.group].fence[p.slot] = p.ready   # its next owner waits on the page's last copy
+            slots.append(p.slot)
+            cp = self.pt[c]
+            self._unqueue(c)
+            p.tier, p.group, p.slot, p.ready = DISK, cp.group, cp.slot, cp.ready
+            self.owners[DISK][p.group][p.slot] = pid
+            del self.copy_map[pid]
+            cp.dead = True
+            self._maybe_recycle(c)
+            self.counters_.copy_swaps += 1
+            self.counters_.copies -= 1
+            moved.append(pid)
+        if not moved:
+            return (claims, slots, Pages(rest))
+        still: list[int] = []                   # claims a victim still to move holds stay open
+        for pid in rest:
+            c = self.pt[pid].claim
+            if c and c not in still:
+                still.append(c)
+        for pid in sorted(moved, key=lambda i: self.pt[i].stamp):
+            p = self.pt[pid]
+            if p.claim not in still and p.claim not in claims:
+                claims.append(p.claim)
+            p.claim = 0
+            if not p.queued and self._evictable(p):
+                self.queues[DISK][p.group].push(pid)
+        self._relabel_later(moved)
+        return (claims, slots, Pages(rest))
 
     def discard_corrupt(self, pages: Pages, bad_slots: list[int]) -> list[int]:
         """Disk pages found corrupt (at these slots) are never served: drop
@@ -1480,25 +1704,75 @@ class ModelCore:
         return depths
 
     # -- the disk tier across restarts ------------------------------------------------------------------------------
+    def _reaches_disk(self, b: int, chosen: set[int], memo: dict[int, bool]) -> bool:
+        """A block reaches the disk when one of its pages does (on disk, with
+        a copy, or chosen) and every prefix-critical one does, and so does its
+        parent: recovery needs the parent's key to attach a record."""
+        path = []
+        x = b
+        while x >= 0 and x not in memo:
+            path.append(x)
+            x = self.blocks[x].parent
+        ok = x < 0 or memo[x]
+        for node in reversed(path):
+            blk = self.blocks[node]
+            any_there, critical = False, True
+            for lc, pid in enumerate(blk.pages):
+                if pid < 0:
+                    continue
+                p = self.pt[pid]
+                there = not p.dead and (p.tier == DISK or self._has_copy(pid) or pid in chosen)
+                any_there = any_there or there
+                if not there and self.lcs[lc].prefix_critical(blk.depth, self.tpb):
+                    critical = False
+            ok = ok and any_there and critical
+            memo[node] = ok
+        return ok
+
     def persist_candidates(self) -> list[Pages]:
-        """Per disk group: published pages not on disk, unclaimed and
-        unlocked, most recent first, at most the group's capacity."""
+        """Per disk group: published pages not on disk (nor with a copy there),
+        unclaimed and unlocked, most recent first, at most the group's
+        capacity; only those whose blocks reach the disk (their ancestors'
+        pages do too), before and after the capacity cut: a page persisted
+        under an ancestor that stays behind is unreachable after a restart."""
         out: list[list[int]] = [[] for _ in self.allocs[DISK]]
         if not out:
             return []
         pending = []
+        chosen: set[int] = set()
         for b in self.index.values():
             for pid in self.blocks[b].pages:
                 if pid < 0:
                     continue
                 p = self.pt[pid]
-                if not p.dead and p.published and p.tier != DISK and not p.claim and not p.locks:
+                if (not p.dead and p.published and p.tier != DISK and not p.claim and not p.locks
+                        and not self._has_copy(pid)):
                     pending.append(pid)
+                    chosen.add(pid)
+
+        def keep_reachable(pids: list[int]) -> list[int]:
+            memo: dict[int, bool] = {}
+            kept = []
+            for pid in pids:
+                if self._reaches_disk(self.pt[pid].block, chosen, memo):
+                    kept.append(pid)
+                else:
+                    chosen.discard(pid)
+            return kept
+
+        pending = keep_reachable(pending)
         pending.sort(key=lambda pid: -self.pt[pid].stamp)
+        room = [a.capacity for a in self.allocs[DISK]]
+        capped = []
         for pid in pending:
             g = self.group_of[DISK][self.pt[pid].lc]
-            if len(out[g]) < self.allocs[DISK][g].capacity:
-                out[g].append(pid)
+            if room[g] > 0:
+                room[g] -= 1
+                capped.append(pid)
+            else:
+                chosen.discard(pid)
+        for pid in keep_reachable(capped):
+            out[self.group_of[DISK][self.pt[pid].lc]].append(pid)
         return [Pages(ids) for ids in out]
 
     def still_persistable(self, pages: Pages, group: int) -> Pages:
@@ -1510,7 +1784,8 @@ class ModelCore:
                 continue
             p = self.pt[pid]
             if (p.in_use and not p.dead and not p.claim and p.tier != DISK and p.published and p.block >= 0
-                    and self.blocks[p.block].pages[p.lc] == pid and self.group_of[DISK][p.lc] == group):
+                    and self.blocks[p.block].pages[p.lc] == pid and self.group_of[DISK][p.lc] == group
+                    and not self._has_copy(pid)):
                 out.append(pid)
         return Pages(out)
 
@@ -1551,9 +1826,8 @@ class ModelCore:
         ng = len(self.allocs[DISK])
         forget: list[list[int]] = [[] for _ in range(ng)]
         taken = [bytearray(a.capacity) for a in self.allocs[DISK]]
-        records.sort(key=lambda r: r.depth)                 # parents before children (stable)
         unreachable = 0                                     # records whose parent is not on disk: orphaned, not bad
-        for r in records:
+        for r in sorted(records, key=lambda r: r.depth):    # parents before children (stable)
             if not 0 <= r.group < ng:
                 continue                                    # no such group: nothing to forget either
             in_range = 0 <= r.slot < self.allocs[DISK][r.group].capacity
@@ -1610,7 +1884,7 @@ class ModelCore:
         # Recency is not journaled. Deepest first, then in write order: a block is never older than
         # its descendants, and shallow blocks, which more requests share, go last.
         gen = {}
-        for r in records:
+        for r in records:                                   # in write order: a slot's last record wins
             gen[(r.group, r.slot)] = r.generation
         pages = [pid for owners in self.owners[DISK] for pid in owners if pid >= 0]
         pages.sort(key=lambda pid: (-self.blocks[self.pt[pid].block].depth,
@@ -1669,7 +1943,9 @@ class ModelCore:
     def counters(self) -> dict:
         c = self.counters_
         return {"hits": tuple(c.hits), "lookup_blocks": c.lookup_blocks, "drops": c.drops,
-                "recovered": c.recovered, "orphaned": c.orphaned, "discarded": c.discarded}
+                "recovered": c.recovered, "orphaned": c.orphaned, "discarded": c.discarded,
+                "copies_made": c.copies_made, "copies_kept": c.copies_kept, "copy_swaps": c.copy_swaps,
+                "copies_evicted": c.copies_evicted, "copies": c.copies}
 
     def state_counts(self) -> list[list[list[int]]]:
         """Per (tier, group): [locked, held, droppable] page counts."""
@@ -1682,7 +1958,7 @@ class ModelCore:
                     if pid < 0:
                         continue
                     p = self.pt[pid]
-                    c[0 if p.locks else 1 if (p.holders or not p.published) else 2] += 1
+                    c[0 if p.locks else 2 if p.copy else 1 if (p.holders or not p.published) else 2] += 1
                 row.append(c)
             out.append(row)
         return out
@@ -1707,7 +1983,7 @@ class ModelCore:
     def page_info(self, pid: int) -> dict:
         p = self.pt[pid]
         return {"tier": p.tier, "group": p.group, "slot": p.slot, "lc": p.lc, "locks": p.locks,
-                "holders": p.holders, "published": p.published, "dead": p.dead, "claim": p.claim,
+                "holders": p.holders, "published": p.published, "dead": p.dead, "copy": p.copy, "claim": p.claim,
                 "stamp": p.stamp, "priority": p.priority,
                 "depth": self.blocks[p.block].depth if p.block >= 0 else -1,
                 "key": self.blocks[p.block].key if p.block >= 0 and self.blocks[p.block].has_key else None}
@@ -1736,6 +2012,14 @@ class ModelCore:
                     _require(p.tier == t and p.group == g and p.slot == s, "a page is misfiled")
                     _require((p.queued != NOT_QUEUED) == self._evictable(p),
                              "queue membership differs from evictability")
+                    if p.copy:
+                        _require(t == DISK and not p.published and not p.holders and not p.locks,
+                                 "a copy outside the disk, or held")
+                        _require(p.block >= 0 and self.blocks[p.block].indexed,
+                                 "a copy of a block that is not indexed")
+                        primary = self.blocks[p.block].pages[p.lc]
+                        _require(primary >= 0 and self.copy_map.get(primary, -1) == pid and self.pt[primary].tier != DISK,
+                                 "a copy its block's primary does not name")
                     queued += p.queued != NOT_QUEUED
                 _require(used == a.used, "owned slots differ from allocated slots")
                 _require(queued == self.queues[t][g].size, "a queue's length differs from its members")
@@ -1750,7 +2034,11 @@ class ModelCore:
                 if pid < 0:
                     continue
                 p = self.pt[pid]
-                _require(p.in_use and p.published and not p.dead, "an index page is unpublished or dead")
+                _require(p.in_use and p.published and not p.dead and not p.copy,
+                         "an index page is unpublished, dead or a copy")
+                if self._has_copy(pid):
+                    c = self.pt[self.copy_map[pid]]
+                    _require(c.copy and not c.dead, "a primary names no live copy")
                 _require(self.owners[p.tier][p.group][p.slot] == pid, "an index page does not own its slot")
         _require(indexed == len(self.index), "the key map's size differs from the indexed blocks")
 

@@ -34,13 +34,15 @@ struct Page {
   uint16_t holders = 0;     // sequence rows that refer to it (HELD); at most kMaxHolders
   uint8_t lc = 0;
   uint8_t group = 0;
-  uint8_t priority = 0;
+  uint8_t priority : 7;     // 0..100
+  bool copy : 1;            // a clean copy (write-through): the index names another page of its block, the
+                            // primary; never held, locked or published; it is in the disk queue unless claimed
   int8_t tier : 3;          // GPU, HOST, DISK; NO_TIER while the id is on the free list
   uint8_t queued : 2;       // NOT_QUEUED, IN_ORDER, LATE
   bool published : 1;       // indexed for reuse
   bool dead : 1;            // left the store; its slot is freed once no claim holds it
   bool relabel : 1;         // published while claimed: relabel its journal record if it ends on disk
-  Page() : tier(NO_TIER), queued(NOT_QUEUED), published(false), dead(false), relabel(false) {}
+  Page() : priority(0), copy(false), tier(NO_TIER), queued(NOT_QUEUED), published(false), dead(false), relabel(false) {}
   bool in_use() const { return tier != NO_TIER; }
 };
 static_assert(sizeof(Page) == 40, "the page record grew");
