@@ -211,10 +211,11 @@ class MigrationEngine:
 
     # -- one batch --------------------------------------------------------------
     async def run(self, batch: Batch, dst_tier: int, dst_group: int, dst_slots: Sequence[int],
-                  fences: Sequence[Event | None]) -> Event:
+                  fences: Sequence[Event | None], record: bool = True) -> Event:
         """Move ``batch`` into ``dst_slots`` (ascending). ``fences`` are the
         events a writer of the destination slots must wait for. Returns the
-        batch's event."""
+        batch's event. ``record=False``: not counted as a move (write-through
+        copies keep their own counts)."""
         t_start = time.perf_counter()
         src_tier, src_group, src_slots, lcs = batch.src_tier, batch.src_group, batch.src_slots, batch.lcs
         n_pages = len(src_slots)
@@ -294,8 +295,9 @@ class MigrationEngine:
                         rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
-        self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
-        self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
+        if record:
+            self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
+            self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
 
     async def _tee(self, batch: Batch, busy: list[float], copy: Callable[[torch.Tensor], object], n_pages: int,

@@ -44,6 +44,7 @@ from .recovery import index_recovered, persist
 from .remote import RemoteLink
 from .sequence import Sequence
 from .views import IndexView
+from .write_through import WriteThrough, off_stats as write_through_off
 
 log = logging.getLogger("kvtier")
 HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a millisecond per 64 Ki tokens)
@@ -94,6 +95,8 @@ class Store:
         self._disk_full_logged = float("-inf")
         self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
         self.remote = RemoteLink(self, cfg.remote) if cfg.remote is not None else None
+        self.write_through = WriteThrough(self, cfg.disk) \
+            if cfg.disk is not None and cfg.disk.write == "through" else None
         self._recounted = [0, 0, 0, 0]     # lookups and hits of first opens that a remote import re-matched
 
     # -- life of the store ------------------------------------------------------------
@@ -139,6 +142,9 @@ class Store:
                 self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:
                 await index_recovered(self)     # the core is rebuilt off the loop: nothing may use it meanwhile
+        if self.write_through is not None:
+            self.core.set_write_through(True)   # from here on every page published off the disk is queued
+            self.write_through.start()
         if self.remote is not None:
             await self.remote.open()            # an unreachable server is a tier with its circuit open
         for t in self.tier_ids:
@@ -203,6 +209,8 @@ class Store:
             await asyncio.wait([self._starting])        # a start in flight finishes (or fails) first
         for r in getattr(self, "reclaimers", {}).values():
             await r.stop()
+        if self.write_through is not None:
+            await self.write_through.stop()     # its batch in flight lands; persisting covers the rest
         await self._wait_tasks()
         if self.started and self.disk is not None and self.cfg.persist_on_close:
             try:
@@ -626,13 +634,15 @@ class Store:
             # evicting on demand: refill the background reserve in the same batch
             extra = reclaimer.high if reclaimer is not None else 0
             while True:
-                victims = self._pick_victims(tier, group, n - len(got), extra,
-                                             raise_=reclaimer is None or not reclaimer.busy)
+                # pages the background demotion or a write-through copy has claimed are not
+                # evictable, but they are again when it finishes: wait for that rather than fail
+                wt = self.write_through if tier != DISK else None
+                busy = reclaimer.idle if reclaimer is not None and reclaimer.busy else \
+                    wt.idle if wt is not None and not wt.idle.is_set() else None
+                victims = self._pick_victims(tier, group, n - len(got), extra, raise_=busy is None)
                 if victims is not None:
                     break
-                # pages the background demotion has claimed are not evictable, but their slots
-                # come free when it finishes: wait for that rather than fail
-                await reclaimer.idle.wait()
+                await busy.wait()
                 got += core.allocate(tier, group, min(core.free(tier, group), n - len(got)))
                 if len(got) == n:
                     return got
@@ -662,7 +672,24 @@ class Store:
         return victims
 
     async def _evict(self, tier: int, victims: Pages) -> list[int]:
-        """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller."""
+        """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller.
+        Under write-through, victims bound for the disk that have a clean copy there take over
+        their copy's slot: no bytes move."""
+        if self.write_through is None or self.next_tier[tier] != DISK:
+            return await self._evict_claimed(tier, victims)
+        group = self.core.page_info(victims.slice(0, 1).tolist()[0])["group"] if victims else 0
+        claims, handed, victims = self.core.swap_to_copies(victims)
+        self.claims.settle(claims)
+        self._sync()
+        if not victims:
+            return handed
+        try:
+            return handed + await self._evict_claimed(tier, victims)
+        except BaseException:
+            self.core.give_back(tier, group, handed)    # the moved victims' slots: nobody takes them now
+            raise
+
+    async def _evict_claimed(self, tier: int, victims: Pages) -> list[int]:
         nxt = self.next_tier[tier]
         while nxt is not None:
             try:
@@ -821,6 +848,7 @@ class Store:
             "discarded_pages": counters["discarded"] + (len(self.disk.discarded) if self.disk is not None else 0),
             "corrupt_pages": self.corrupt_pages,
             "disk_full": {"refused_spills": self.disk_full_events, "dropped_pages": self.disk_full_dropped},
+            "write_through": self.write_through.stats() if self.write_through is not None else write_through_off(),
             "core": {"live_pages": core.live_pages(), "live_blocks": core.live_blocks(),
                      "memory_bytes": core.memory_bytes()},
         }
@@ -860,10 +888,17 @@ class Store:
         return self.kv_events
 
     async def drain(self) -> None:
-        """Wait until no move, eviction or background demotion is in flight."""
-        while self._tasks or any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
-            await self._wait_tasks()
-            await asyncio.sleep(0.001)
+        """Wait until no move, eviction or background demotion is in flight,
+        and (write-through) every page that can be copied to disk now is."""
+        while True:
+            while self._tasks or any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
+                await self._wait_tasks()
+                await asyncio.sleep(0.001)
+            if self.write_through is None or self.closed:
+                return
+            await self.write_through.flush()
+            if not self._tasks and not any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
+                return
 
     async def _wait_tasks(self) -> None:
         """Wait for the store's tasks to end. ``asyncio.wait``, not ``gather``:

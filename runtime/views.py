@@ -25,11 +25,14 @@ class PageView(NamedTuple):
     priority: int
     depth: int
     key: object             # its block's key (None: not known yet)
+    copy: bool = False      # a clean copy on disk of a page the index names elsewhere (write-through)
 
     @property
     def state(self) -> str:
         if self.locks:
             return "LOCKED"
+        if self.copy:
+            return "DROPPABLE"
         if self.holders or not self.published:
             return "HELD"
         return "DROPPABLE"

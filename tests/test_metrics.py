@@ -314,3 +314,31 @@ def test_missing_prometheus_client_names_the_extra(monkeypatch):
         StoreCollector(object())
     with pytest.raises(ImportError, match=r"kvtier\[serve\]"):
         register(object())
+
+
+async def test_write_through_figures_match_store_stats(tmp_path):
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path, persist_on_close=False)
+    cfg.disk.write = "through"
+    async with Store.open(cfg) as store:
+        for i in range(6):
+            await fill(store, toks(i, 3))
+        await store.drain()
+        for i in range(6):                      # back up: the disk pages keep their slots as copies
+            await fill(store, toks(i, 3))
+        await store.drain()
+        registry = CollectorRegistry()
+        register(store, registry)
+        samples, _ = scrape(registry)
+        wt = store.stats()["write_through"]
+        assert wt["copied_pages"] > 0 and wt["free_demotions"] > 0
+        assert samples[("kvtier_write_through_pages_total", ())] == wt["copied_pages"]
+        assert samples[("kvtier_write_through_bytes_total", ())] == wt["copied_bytes"]
+        assert samples[("kvtier_write_through_copies", ())] == wt["copies"]
+        assert samples[("kvtier_write_through_pending", ())] == wt["pending"] == 0
+        assert samples[("kvtier_write_through_free_demotions_total", ())] == wt["free_demotions"]
+    async with Store.open(config(gpu=4)) as store:     # write-back: no such family
+        await fill(store, toks(1, 2))
+        registry = CollectorRegistry()
+        register(store, registry)
+        samples, _ = scrape(registry)
+        assert ("kvtier_write_through_pages_total", ()) not in samples

@@ -99,6 +99,12 @@ class DiskConfig(TierConfig):
     o_direct: str = "auto"          # "auto" (probe), "on", "off"
     min_free: int | str | None = None   # keep this much free on the filesystem
     fsync: bool = True              # durability barriers; off only for throwaway experiments
+    # "back": a page reaches the disk when the host evicts it (or at a clean close). "through": committed
+    # pages are also copied down in the background (clean copies), so a SIGKILL loses at most the commits
+    # of the last write_interval, and demoting a page that has its copy moves no bytes.
+    write: str = "back"
+    write_interval: float | str = 0.05      # write-through: seconds (or "50ms") between batches, at most
+    max_inflight_bytes: int | str = "64MiB"  # write-through: bytes being copied at once
 
 
 @dataclasses.dataclass(slots=True)
@@ -204,6 +210,16 @@ class StoreConfig:
                 raise ConfigError("tiers.disk.on_mismatch", f"expected 'error' or 'wipe', got {self.disk.on_mismatch!r}")
             if self.disk.o_direct not in ("auto", "on", "off"):
                 raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {self.disk.o_direct!r}")
+            if self.disk.write not in ("back", "through"):
+                raise ConfigError("tiers.disk.write", f"expected 'back' or 'through', got {self.disk.write!r}")
+            ms = _duration_ms(self.disk.write_interval, "tiers.disk.write_interval")
+            if ms is None or ms > 60_000:
+                raise ConfigError("tiers.disk.write_interval",
+                                  f"must be a duration above 0 and at most 60 s, got {self.disk.write_interval!r}")
+            self.disk.write_interval = ms / 1000
+            self.disk.max_inflight_bytes = parse_size(self.disk.max_inflight_bytes, "tiers.disk.max_inflight_bytes")
+            if self.disk.max_inflight_bytes <= 0:
+                raise ConfigError("tiers.disk.max_inflight_bytes", "must be positive")
             if self.disk.min_free is not None:
                 self.disk.min_free = parse_size(self.disk.min_free, "tiers.disk.min_free")
                 st = os.statvfs(self.disk.path)
