@@ -55,6 +55,7 @@ kvtier_write_through_bytes_total                          none
 kvtier_write_through_pending                              none (published pages waiting for their copy)
 kvtier_write_through_copies                               none (disk slots holding a clean copy now)
 kvtier_write_through_free_demotions_total                 none (demotions onto a copy: no bytes moved)
+kvtier_write_through_kept_on_promotion_total             none (promotions that kept the disk slot as a copy)
 kvtier_write_through_evicted_copies_total                 none
 kvtier_write_through_failures_total                       none
 kvtier_events_total                                       none (vLLM's KV event publisher exports no metric)
@@ -187,6 +188,8 @@ class StoreCollector:
             "wt_pending": gauge(f"{p}_write_through_pending", "Published pages waiting for their disk copy"),
             "wt_copies": gauge(f"{p}_write_through_copies", "Disk slots holding a clean copy now"),
             "wt_free": counter(f"{p}_write_through_free_demotions", "Demotions onto a clean copy (no bytes moved)"),
+            "wt_kept": counter(f"{p}_write_through_kept_on_promotion",
+                               "Disk pages promoted that kept their slot as a clean copy"),
             "wt_evicted": counter(f"{p}_write_through_evicted_copies", "Clean copies the disk evicted"),
             "wt_failures": counter(f"{p}_write_through_failures", "Write-through batches that failed"),
             "ev_made": counter(f"{p}_events", "KV events made (BlockStored, BlockRemoved, AllBlocksCleared)"),
@@ -295,6 +298,7 @@ class StoreCollector:
             f["wt_copies"].add_metric([], wt["copies"])
             f["wt_free"].add_metric([], wt["free_demotions"])
             f["wt_evicted"].add_metric([], wt["evicted_copies"])
+            f["wt_kept"].add_metric([], wt["kept_on_promotion"])
             f["wt_failures"].add_metric([], wt["failures"])
             yield from (f[k] for k in f if k.startswith("wt_"))
 

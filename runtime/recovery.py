@@ -29,6 +29,21 @@ async def persist(store: "Store") -> None:
     first, evicting colder disk pages to make room, so that a restart
     finds the hottest prefixes whole."""
     core = store.core
+    # The disk pages above what the disk keeps are pinned while persisting: the evictions that make
+    # room then take only leaves, never an ancestor that would strand its subtree after a restart.
+    anchors = core.persist_anchors()
+    if anchors:
+        store._claim(anchors, DISK)
+    try:
+        await _persist_candidates(store)
+    finally:
+        if anchors:
+            store._unclaim(anchors, None)
+    await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
+
+
+async def _persist_candidates(store: "Store") -> None:
+    core = store.core
     for g, pages in enumerate(core.persist_candidates()):
         for i in range(0, len(pages), PERSIST_CHUNK):
             # ids taken before earlier chunks' awaits: keep those still the index's pages for this group
@@ -47,7 +62,6 @@ async def persist(store: "Store") -> None:
                 await store._move_claimed(chunk, DISK, {g: slots}, handoff=False)
             except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on
                 log.warning("persisting %d pages at close failed: %s", len(chunk), exc)
-    await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
 
 async def index_recovered(store: "Store") -> None:

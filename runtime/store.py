@@ -896,7 +896,10 @@ class Store:
                 await asyncio.sleep(0.001)
             if self.write_through is None or self.closed:
                 return
-            await self.write_through.flush()
+            # a pass of our own (or the running one, then ours): it ends when nothing it can copy is left
+            running = self.write_through.flush_pass()
+            await asyncio.wait([running])
+            await asyncio.wait([self.write_through.flush_pass()])
             if not self._tasks and not any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
                 return
 

@@ -32,7 +32,7 @@ log = logging.getLogger("kvtier")
 
 class WriteThrough:
     __slots__ = ("store", "interval", "max_bytes", "task", "wake", "stopping", "copied_pages", "copied_bytes",
-                 "batches", "failures", "_logged", "idle", "_flushing")
+                 "batches", "failures", "disk_full", "_logged", "idle", "_flush")
 
     def __init__(self, store: "Store", cfg: DiskConfig) -> None:
         self.store = store
@@ -44,75 +44,89 @@ class WriteThrough:
         self.copied_pages = 0
         self.copied_bytes = 0
         self.batches = 0
-        self.failures = 0
+        self.failures = 0                   # batches that failed (retried at the next interval)
+        self.disk_full = 0                  # ... of them because the filesystem was full
         self._logged = float("-inf")
         self.idle = asyncio.Event()         # set while no copy batch is in flight (its pages are claimed)
         self.idle.set()
-        self._flushing = 0
+        self._flush: asyncio.Task | None = None     # the one flush pass running, a store task
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
-        """Let the batch in flight land, then end (no copy is cut half-way)."""
+        """Let the batch in flight land, then end: the pages still queued are
+        left to persisting (no copy is cut half-way)."""
         self.stopping = True
         self.wake.set()
         if self.task is not None:
             await asyncio.wait([self.task])
             self.task = None
+        if self._flush is not None:
+            await asyncio.wait([self._flush])
 
     async def _run(self) -> None:
         while not self.stopping:
-            try:
-                await self.flush()
-            except Exception as exc:        # noqa: BLE001 - the task must outlive any one failure
-                self._failed(exc)
+            await asyncio.wait([self.flush_pass()])     # never raises: a failure is logged and retried
             try:
                 await asyncio.wait_for(self.wake.wait(), self.interval)
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
 
-    async def flush(self) -> None:
-        """Copy every page that can be read now, in bounded batches. Pages
-        locked by an acquired sequence wait for a later flush (their bytes
-        are final only once it releases them)."""
+    def flush_pass(self) -> asyncio.Task:
+        """The running flush pass, or a new one: a store task, so a caller
+        that is cancelled while it waits (``drain()``) cancels no copy."""
+        if self._flush is None or self._flush.done():
+            self._flush = self.store._spawn(self._pass())
+        return self._flush
+
+    async def _pass(self) -> None:
+        """Copy what can be copied now, one bounded batch after another, until
+        nothing is queued or a batch fails (the rest waits for the next
+        interval: a full or failing disk is not retried in a loop)."""
         store = self.store
         core = store.core
-        per_page = max(store.engine.cold_bytes) if store.engine.cold_bytes else 1
-        max_pages = max(1, self.max_bytes // max(1, per_page))
-        self._flushing += 1
         self.idle.clear()
         try:
-            while not store.closed:
-                pages, claims = core.take_copies(max_pages)
+            while not store.closed and not self.stopping:
+                pages, claims = core.take_copies(self._max_pages())
                 if not pages:
                     return
                 store.claims.open(claims, False)
                 batches = core.split_batches(pages, DISK)
-                if len(batches) == 1:
-                    await self._batch(batches[0][3], batches[0][2])
-                else:
-                    results = await asyncio.gather(*(store._spawn(self._batch(b, g)) for _, _, g, b in batches),
-                                                   return_exceptions=True)
-                    for r in results:
-                        if isinstance(r, BaseException):
-                            raise r
+                jobs = [store._spawn(self._batch(b, g)) for _, _, g, b in batches]
+                await asyncio.wait(jobs)
+                if not all(j.result() for j in jobs):
+                    return
+        except Exception as exc:            # noqa: BLE001 - the pages are queued again; the next pass retries
+            self._failed(exc)
         finally:
-            self._flushing -= 1
-            if not self._flushing:
-                self.idle.set()
+            self.idle.set()
 
-    async def _batch(self, batch, group: int) -> None:
+    def _max_pages(self) -> int:
+        """Pages per take: the byte bound, and a quarter of the smallest disk
+        group, so that one batch never needs more slots than the disk can free."""
+        store = self.store
+        per_page = max(store.engine.cold_bytes) if store.engine.cold_bytes else 1
+        n = self.max_bytes // max(1, per_page)
+        for g in range(store.core.n_groups(DISK)):
+            n = min(n, store.core.capacity(DISK, g) // 4)
+        return max(1, n)
+
+    async def _batch(self, batch, group: int) -> bool:
+        """One batch to (DISK, group); False if it failed (its pages are queued again)."""
         store = self.store
         core = store.core
         try:
             slots = await store._obtain(DISK, group, len(batch))
-        except OutOfPagesError:             # the disk is full of pages held or in flight: later
+        except BaseException as exc:
             store._unclaim(batch, None)
-            return
-        except BaseException:
-            store._unclaim(batch, None)
+            if isinstance(exc, OutOfPagesError):    # the disk is full of held or moving pages: later
+                return False
+            if isinstance(exc, Exception):
+                self._failed(exc)
+                return False
             raise
         src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
         fences = store.events.all(core.slot_fences(DISK, group, slots))
@@ -120,26 +134,28 @@ class WriteThrough:
         job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)), lambda: store.records(batch))
         try:
             ev = await store.engine.run(job, DISK, group, slots, fences, record=False)
-        except BaseException as exc:
+        except Exception as exc:            # the job has ended: its slots hold nothing the disk keeps
             core.give_back(DISK, group, slots)
             store._unclaim(batch, None)
-            self.failures += 1
-            if isinstance(exc, DiskFullError):
-                store._disk_full(exc, 0)    # the disk keeps what it has; the pages stay queued for later
-                return
-            raise
+            self._failed(exc)
+            return False
         store.claims.settle(core.land_copies(batch, group, slots, store.events.id(ev)))
         store._sync()
         self.copied_pages += len(slots)
         self.copied_bytes += len(slots) * store.engine.cold_bytes[group]
         self.batches += 1
+        return True
 
     def _failed(self, exc: BaseException) -> None:
         self.failures += 1
+        full = isinstance(exc, DiskFullError)
+        self.disk_full += full
         now = asyncio.get_running_loop().time()
         if now - self._logged >= 60.0:
             self._logged = now
-            log.warning("write-through to the disk tier failed (%r); the pages stay queued and are retried", exc)
+            log.warning("write-through to the disk tier failed (%s%r); the pages stay queued and are retried "
+                        "every write_interval; %d batch(es) failed so far",
+                        "the filesystem is full: " if full else "", exc, self.failures)
 
     def stats(self) -> dict:
         c = self.store.core.counters()
@@ -147,10 +163,11 @@ class WriteThrough:
                 "batches": self.batches, "pending": self.store.core.copies_pending(),
                 "free_demotions": c["copy_swaps"], "kept_on_promotion": c["copies_kept"],
                 "evicted_copies": c["copies_evicted"], "copies": c["copies"], "failures": self.failures,
-                "interval_s": self.interval, "max_inflight_bytes": self.max_bytes}
+                "disk_full": self.disk_full, "interval_s": self.interval, "max_inflight_bytes": self.max_bytes}
 
 
 def off_stats() -> dict:
     """``stats()["write_through"]`` of a store without it."""
     return {"on": False, "copied_pages": 0, "copied_bytes": 0, "batches": 0, "pending": 0, "free_demotions": 0,
-            "kept_on_promotion": 0, "evicted_copies": 0, "copies": 0, "failures": 0}
+            "kept_on_promotion": 0, "evicted_copies": 0, "copies": 0, "failures": 0, "disk_full": 0,
+            "interval_s": None, "max_inflight_bytes": None}

@@ -144,6 +144,7 @@ QUERIES = {"free", "capacity", "used", "is_free", "queue_len", "n_groups", "coun
            "num_blocks", "committed", "acquired", "page_indices", "locked_slots", "recompute_blocks",
            "ready_events", "prefetch_pages", "claims_of", "cold_pages", "group_counts", "droppable",
            "split_batches", "batch_view", "disk_records", "slot_fences", "persist_candidates", "still_persistable",
+           "persist_anchors",
            "tier_pages", "copy_of", "copies_pending", "write_through"}
 
 
@@ -674,6 +675,16 @@ class Driver:
             self.call("land_copies", batch, g, slots, event)
 
     def persist(self, chunk: int) -> None:
+        anchors = self.call("persist_anchors")             # pinned: eviction takes only leaves
+        if anchors.tolist():
+            self.call("claim", anchors, DISK, False)
+        try:
+            self._persist(chunk)
+        finally:
+            if anchors.tolist():
+                self.call("unclaim", anchors)
+
+    def _persist(self, chunk: int) -> None:
         for g, pages in enumerate(self.call("persist_candidates")):
             for i in range(0, len(pages), chunk):
                 part = self.call("still_persistable", pages.slice(i, i + chunk), g)

@@ -289,6 +289,8 @@ async def test_full_disk_evicts_copies_and_serves_exact_pages(tmp_path, disk):
 
 @pytest.mark.timeout(60)
 async def test_drain_copies_what_it_can_and_leaves_locked_and_uncommitted_pages(tmp_path):
+    """A page is copied once its bytes are final: when the sequence that committed it releases it
+    (another request holding it acquired to read it does not stop the copy)."""
     async with Store.open(wt_config(tmp_path, gpu=16, host=32, disk=512)) as store:
         await fill(store, toks(0, NB))
         held = await store.open_sequence(tokens=toks(1, NB))
@@ -298,7 +300,7 @@ async def test_drain_copies_what_it_can_and_leaves_locked_and_uncommitted_pages(
         held.commit(NB)                                     # committed, still acquired: locked on the GPU
         await asyncio.wait_for(store.drain(), 10)           # does not wait for the locked pages
         s = wt_stats(store)
-        assert s["copies"] == NB and s["pending"] == NB, s
+        assert s["copies"] == NB and s["pending"] == 0, s  # queued when released: bytes final only then
 
         part = await store.open_sequence(tokens=toks(2, NB))
         await part.acquire()
@@ -405,4 +407,63 @@ async def test_write_back_makes_no_copies(tmp_path):
         assert (s["copies"], s["copied_pages"], s["free_demotions"], s["kept_on_promotion"], s["pending"]) \
             == (0, 0, 0, 0, 0), s
         assert moved_bytes(store, "host->disk") > 0        # demotions still copy, as before
+        store.check_consistency()
+
+
+@pytest.mark.timeout(60)
+async def test_a_prefix_always_held_by_readers_is_still_copied(tmp_path):
+    """A hot shared prefix (a system prompt) is nearly always acquired by some request: its pages
+    must be copied anyway, or every copy below it would be unreachable after a crash."""
+    async with Store.open(wt_config(tmp_path, gpu=64, host=32, disk=512)) as store:
+        await fill(store, toks(0, NB))                      # the prefix: committed and released
+        reader = await store.open_sequence(tokens=toks(0, NB))
+        await reader.acquire()                              # held from here on by a reader
+        await fill(store, toks(0, NB) + toks(5, NB))        # a request below it
+        await asyncio.wait_for(store.drain(), 10)
+        s = wt_stats(store)
+        assert s["copies"] == 2 * NB and s["pending"] == 0, s
+        await reader.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_disk_that_refuses_copies_is_retried_each_interval_never_in_a_loop(tmp_path):
+    """A full filesystem (ENOSPC on every copy), and then a disk whose every slot is held by open
+    sequences: the copies wait for the next interval, the loop stays responsive, requests go on,
+    and close() returns (found in review: both spun the event loop forever)."""
+    from tiers.errors import DiskFullError, OutOfPagesError
+    (tmp_path / "held").mkdir()
+    async with Store.open(wt_config(tmp_path, gpu=16, host=16, disk=64, interval=0.05)) as store:
+        def full(src, dst):
+            if dst == DISK:
+                raise DiskFullError("no space left on device (injected)")
+        store.engine.fault = full
+        for base in range(6):
+            await fill(store, toks(base, NB))
+        t0 = time.monotonic()
+        await asyncio.sleep(0.5)                            # about 10 intervals
+        assert time.monotonic() - t0 < 1.0                  # the loop was not held
+        s = wt_stats(store)
+        assert 1 <= s["failures"] <= 20 and s["disk_full"] == s["failures"] and s["copies"] == 0, s
+        assert store.stats()["disk_full"]["refused_spills"] == 0    # copies are not spills
+        store.engine.fault = None
+        await asyncio.wait_for(store.drain(), 10)
+        assert wt_stats(store)["pending"] == 0 and wt_stats(store)["copies"] > 0
+    async with Store.open(wt_config(tmp_path / "held", gpu=16, host=16, disk=64, interval=0.05)
+                          ) as store:
+        real, calls = store._obtain, [0]
+
+        async def no_disk_slot(tier, group, n):        # every disk slot held by open sequences
+            if tier == DISK:
+                calls[0] += 1
+                raise OutOfPagesError("disk pool group 0: nothing evictable (test)")
+            return await real(tier, group, n)
+        store._obtain = no_disk_slot
+        for base in range(6):
+            await fill(store, toks(base, NB))
+        t0 = time.monotonic()
+        await asyncio.sleep(0.3)
+        assert time.monotonic() - t0 < 1.0 and calls[0] <= 12, calls
+        store._obtain = real
+        await asyncio.wait_for(store.drain(), 10)
+        assert wt_stats(store)["pending"] == 0
         store.check_consistency()

@@ -212,10 +212,14 @@ class StoreConfig:
                 raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {self.disk.o_direct!r}")
             if self.disk.write not in ("back", "through"):
                 raise ConfigError("tiers.disk.write", f"expected 'back' or 'through', got {self.disk.write!r}")
-            ms = _duration_ms(self.disk.write_interval, "tiers.disk.write_interval")
+            bad = ConfigError("tiers.disk.write_interval", "expected a duration above 0 and at most 60 s, such as "
+                                                           f"'50ms', '1s' or 0.05 (seconds), got {self.disk.write_interval!r}")
+            try:
+                ms = _duration_ms(self.disk.write_interval, "tiers.disk.write_interval")
+            except ConfigError:
+                raise bad from None
             if ms is None or ms > 60_000:
-                raise ConfigError("tiers.disk.write_interval",
-                                  f"must be a duration above 0 and at most 60 s, got {self.disk.write_interval!r}")
+                raise bad
             self.disk.write_interval = ms / 1000
             self.disk.max_inflight_bytes = parse_size(self.disk.max_inflight_bytes, "tiers.disk.max_inflight_bytes")
             if self.disk.max_inflight_bytes <= 0:

@@ -607,6 +607,8 @@ void Core::release(int32_t s, int32_t event) {
     Page& p = pt_[id];
     if (event && p.tier == GPU) p.ready = event;
     --p.locks;
+    // write-through: a published page's bytes are final once a sequence that held it releases it
+    if (wt_on_ && p.published && !p.dead && p.tier != DISK && !has_copy(id)) wt_pending_.push_back(id);
   }
   queue_all(locked);
   for (int32_t id : locked) maybe_recycle(id);
@@ -1156,7 +1158,10 @@ void Core::set_write_through(bool on) {
   require(!on || !allocs_[DISK].empty(), "write-through needs a disk tier");
   if (!on) require(counters_.copies == 0, "write-through cannot be turned off while copies exist");
   wt_on_ = on;
-  if (!on) wt_pending_.clear();
+  if (!on) {
+    wt_pending_.clear();
+    wt_head_ = 0;
+  }
   if (on && copy_of_.size() < pt_.pages.size()) copy_of_.resize(pt_.pages.size(), -1);
 }
 
@@ -1174,24 +1179,27 @@ void Core::free_copy(int32_t primary) {
 
 Ids Core::take_copies(int32_t max_pages, Ids& claims) {
   claims.clear();
-  Ids taken, later;
-  size_t i = 0;
-  for (; i < wt_pending_.size() && int32_t(taken.size()) < max_pages; ++i) {
-    int32_t id = wt_pending_[i];
+  Ids taken;
+  // A FIFO from wt_head_: each entry is looked at once per call at most (a busy one goes to the
+  // back), so taking everything costs what is pending, not its square.
+  for (size_t budget = wt_pending_.size() - wt_head_; budget > 0 && int32_t(taken.size()) < max_pages; --budget) {
+    int32_t id = wt_pending_[wt_head_++];
     if (!valid_page(id)) continue;
     Page& p = pt_[id];
     if (!p.in_use() || p.dead || !p.published || p.copy || p.tier == DISK || has_copy(id) || p.block < 0 ||
         index_.page(p.block, p.lc) != id)
       continue;                                    // gone, or on the disk already
-    if (p.claim || p.locks) {                      // busy now: try again later
-      later.push_back(id);
+    if (p.claim) {                                 // moving: try again later
+      wt_pending_.push_back(id);
       continue;
     }
     taken.push_back(id);
     p.claim = -1;                                  // a placeholder: a duplicate entry now reads as busy
   }
-  later.insert(later.end(), wt_pending_.begin() + std::ptrdiff_t(i), wt_pending_.end());
-  wt_pending_.swap(later);
+  if (wt_head_ >= 1024 && 2 * wt_head_ >= wt_pending_.size()) {
+    wt_pending_.erase(wt_pending_.begin(), wt_pending_.begin() + std::ptrdiff_t(wt_head_));
+    wt_head_ = 0;
+  }
   // one copy claim per (source tier, source group, disk group), as claim() makes them
   struct K {
     int8_t tier;
@@ -1215,6 +1223,14 @@ Ids Core::take_copies(int32_t max_pages, Ids& claims) {
   return taken;
 }
 
+int64_t Core::disk_stamp(int32_t b, int lc) const {
+  if (b < 0) return INT64_MAX;
+  int32_t id = index_.page(b, lc);
+  if (id < 0) return INT64_MAX;
+  if (pt_[id].tier == DISK) return pt_[id].stamp;
+  return has_copy(id) ? pt_[copy_of_[size_t(id)]].stamp : INT64_MAX;
+}
+
 Ids Core::land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t event) {
   require(batch.size() == slots.size(), "land_copies: one slot per page");
   require(group >= 0 && group < n_groups(DISK), "land_copies: no such disk group");
@@ -1231,7 +1247,9 @@ Ids Core::land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t
     if (!p.dead && p.published && p.tier != DISK && p.block >= 0 && index_.page(p.block, p.lc) == id &&
         !has_copy(id) && group_of_[DISK][p.lc] == group) {
       int32_t block = p.block, lc = p.lc, prio = p.priority;
-      int64_t stamp = p.stamp;
+      // never newer than what its parent has on the disk: the disk evicts a child's copy before
+      // its parent's (a new block is stamped after its matched prefix until that is touched again)
+      int64_t stamp = std::min(p.stamp, disk_stamp(index_.blocks[block].parent, lc));
       int32_t c = new_page(block, lc, DISK, group, slots[i], prio);
       Page& cp = pt_[c];
       cp.copy = true;
@@ -1387,6 +1405,30 @@ std::vector<Ids> Core::persist_candidates() const {
   }
   keep_reachable(capped);
   for (int32_t id : capped) out[size_t(group_of_[DISK][pt_[id].lc])].push_back(id);
+  return out;
+}
+
+Ids Core::persist_anchors() const {
+  // The disk pages (primaries there, and copies) of every block above a page persisting will
+  // write. Pinned while persisting, the evictions that make room cannot take them: an evicted
+  // ancestor would leave the persisted page unreachable after a restart.
+  std::vector<uint8_t> seen(index_.blocks.size(), 0);
+  Ids out;
+  auto climb = [&](int32_t b) {
+    for (int32_t x = index_.blocks[b].parent; x >= 0 && !seen[size_t(x)]; x = index_.blocks[x].parent) {
+      seen[size_t(x)] = 1;
+      for (int lc = 0; lc < n_lcs(); ++lc) {
+        int32_t q = index_.page(x, lc);
+        if (q < 0 || pt_[q].dead) continue;
+        int32_t d = pt_[q].tier == DISK ? q : has_copy(q) ? copy_of_[size_t(q)] : -1;
+        if (d >= 0 && pt_[d].queued) out.push_back(d);
+      }
+    }
+  };
+  for (const Ids& g : persist_candidates())
+    for (int32_t id : g) climb(pt_[id].block);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 

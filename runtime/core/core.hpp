@@ -200,14 +200,16 @@ class Core {
 
   // -- clean copies (write-through to disk) ----------------------------------------
   // With write-through on, every page published outside the disk tier is queued
-  // for a copy. take_copies claims up to max_pages of them that are free to read
-  // now (unlocked, unclaimed), in publish order, with copy claims: negative ids,
-  // which an acquire of a GPU page does not wait for (the page stays in place).
-  // Busy ones stay queued; gone ones (dead, moved to disk, unpublished) leave.
+  // for a copy once its bytes are final: at publish if no sequence holds it
+  // locked, else when one releases it. take_copies claims up to max_pages of the
+  // queued pages that are not moving (locked ones too: readers only read them),
+  // in queue order, with copy claims: negative ids, which an acquire of a GPU
+  // page does not wait for (the page stays in place). Moving ones go to the back
+  // of the queue; gone ones (dead, moved to disk, unpublished) leave.
   void set_write_through(bool on);
   bool write_through() const { return wt_on_; }
   Ids take_copies(int32_t max_pages, Ids& claims);
-  size_t copies_pending() const { return wt_pending_.size(); }
+  size_t copies_pending() const { return wt_pending_.size() - wt_head_; }
   // The claimed batch was written to (DISK, group) at slots: each page still the
   // live, published primary of its block (and without a copy) gets its copy
   // there; the other slots are freed. Ends the batch's claims (returned).
@@ -224,7 +226,10 @@ class Core {
   // most recent first, per disk group, at most `capacity` each; only pages whose
   // blocks reach the disk (reaches_disk), checked before and after the cut.
   std::vector<Ids> persist_candidates() const;
-  Ids still_persistable(const Ids& pages, int32_t group) const;   // still the index's pages, bound for group
+  Ids still_persistable(const Ids& pages, int32_t group) const;
+  // Evictable disk pages of the ancestors of the persist candidates: the caller claims
+  // them while it persists (by id, ascending).
+  Ids persist_anchors() const;   // still the index's pages, bound for group
   // Rebuild the index from recovered records; returns slots to forget per group
   // (not recoverable or unreachable). Counters: recovered, orphaned, discarded.
   std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
@@ -277,6 +282,7 @@ class Core {
   bool has_copy(int32_t id) const { return size_t(id) < copy_of_.size() && copy_of_[size_t(id)] >= 0; }
   void free_copy(int32_t primary);             // its copy leaves the store (slot freed, or kept by a claim)
   int32_t next_copy_claim();
+  int64_t disk_stamp(int32_t b, int lc) const;   // recency of block b's page (lc) on the disk; INT64_MAX: none
   bool reaches_disk(int32_t b, const std::vector<uint8_t>& chosen, std::vector<int8_t>& memo) const;
   void note(KvEventKind kind, int32_t id);     // a KV event for the page's block, in its tier
   void note_arrivals(const Ids& batch);        // STORED for a landed batch, chain by chain
@@ -287,7 +293,8 @@ class Core {
   void publish(int32_t id) {
     pt_[id].published = true;
     if (kv_events_.on) note(KV_STORED, id);
-    if (wt_on_ && pt_[id].tier != DISK) wt_pending_.push_back(id);
+    // write-through: queued now if nobody holds it locked (its bytes are final), else when released
+    if (wt_on_ && pt_[id].tier != DISK && !pt_[id].locks) wt_pending_.push_back(id);
   }
   void unpublish(int32_t id) {
     Page& p = pt_[id];
@@ -345,7 +352,8 @@ class Core {
   // go stale: take_copies filters them).
   bool wt_on_ = false;
   std::vector<int32_t> copy_of_;
-  Ids wt_pending_;
+  Ids wt_pending_;                                     // a FIFO: entries before wt_head_ are done
+  size_t wt_head_ = 0;
   Counters counters_;
   std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
   Ids relabels_;                                       // pages to relabel (filtered at take)

@@ -490,7 +490,7 @@ class ModelCore:
         # published outside the disk, to copy (ids may go stale: take_copies filters them).
         self.wt_on = False
         self.copy_map: dict[int, int] = {}
-        self.wt_pending: list[int] = []
+        self.wt_pending: deque[int] = deque()
         self.counters_ = Counters()
         self.disk_frees: list[tuple[int, list[int]]] = []   # drained by take_disk_frees
         self.relabels: list[int] = []                       # filtered when taken
@@ -646,8 +646,8 @@ class ModelCore:
     def _publish(self, pid: int) -> None:
         """Indexed for reuse; with write-through on, a page outside the disk is queued for a copy."""
         self.pt[pid].published = True
-        if self.wt_on and self.pt[pid].tier != DISK:
-            self.wt_pending.append(pid)
+        if self.wt_on and self.pt[pid].tier != DISK and not self.pt[pid].locks:
+            self.wt_pending.append(pid)     # bytes final now; a locked page is queued when released
 
     def _unpublish(self, pid: int) -> None:
         self.pt[pid].published = False
@@ -1100,6 +1100,9 @@ class ModelCore:
             if event and p.tier == GPU:
                 p.ready = event
             p.locks -= 1
+            # write-through: a published page's bytes are final once a sequence that held it releases it
+            if self.wt_on and p.published and not p.dead and p.tier != DISK and not self._has_copy(pid):
+                self.wt_pending.append(pid)
         self._queue_all(locked)
         for pid in locked:
             self._maybe_recycle(pid)
@@ -1575,25 +1578,22 @@ class ModelCore:
         if max_pages < 0:
             raise ValueError("max_pages must not be negative")
         taken: list[int] = []
-        later: list[int] = []
         pending = self.wt_pending
-        i = 0
-        while i < len(pending) and len(taken) < max_pages:
-            pid = pending[i]
-            i += 1
+        budget = len(pending)
+        while budget > 0 and len(taken) < max_pages:
+            budget -= 1
+            pid = pending.popleft()
             if not 0 <= pid < len(self.pt):
                 continue
             p = self.pt[pid]
             if (not p.in_use or p.dead or not p.published or p.copy or p.tier == DISK or self._has_copy(pid)
                     or p.block < 0 or self.blocks[p.block].pages[p.lc] != pid):
                 continue                        # gone, or on the disk already
-            if p.claim or p.locks:              # busy now: try again later
-                later.append(pid)
+            if p.claim:                         # moving: to the back, tried again later
+                pending.append(pid)
                 continue
             taken.append(pid)
             p.claim = -1                        # a placeholder: a duplicate entry now reads as busy
-        later.extend(pending[i:])
-        self.wt_pending = later
         claims: list[int] = []
         keys: dict[tuple[int, int, int], int] = {}
         for pid in taken:
@@ -1606,6 +1606,17 @@ class ModelCore:
             p.claim = cur
             self._unqueue(pid)
         return (Pages(taken), claims)
+
+    def _disk_stamp(self, b: int, lc: int) -> float:
+        """Recency of block ``b``'s page (``lc``) on the disk (inf: none there)."""
+        if b < 0:
+            return float("inf")
+        pid = self.blocks[b].pages[lc]
+        if pid < 0:
+            return float("inf")
+        if self.pt[pid].tier == DISK:
+            return self.pt[pid].stamp
+        return self.pt[self.copy_map[pid]].stamp if self._has_copy(pid) else float("inf")
 
     def land_copies(self, pages: Pages, group: int, slots: list[int], event: int) -> list[int]:
         """The claimed batch was written to (DISK, group) at ``slots``: each
@@ -1624,10 +1635,12 @@ class ModelCore:
             if (not p.dead and p.published and p.tier != DISK and p.block >= 0
                     and self.blocks[p.block].pages[p.lc] == pid and not self._has_copy(pid)
                     and self.group_of[DISK][p.lc] == group):
+                # never newer than what its parent has on the disk: a child's copy is evicted first
+                stamp = min(p.stamp, self._disk_stamp(self.blocks[p.block].parent, p.lc))
                 c = self._new_page(p.block, p.lc, DISK, group, s, p.priority)
                 cp = self.pt[c]
                 cp.copy = True
-                cp.stamp = p.stamp
+                cp.stamp = stamp
                 cp.ready = event
                 self.copy_map[pid] = c
                 self.counters_.copies_made += 1
@@ -1728,6 +1741,30 @@ class ModelCore:
             ok = ok and any_there and critical
             memo[node] = ok
         return ok
+
+    def persist_anchors(self) -> Pages:
+        """The evictable disk pages (primaries there, and copies) of every block
+        above a persist candidate; claimed while persisting, so that making room
+        never evicts an ancestor of a page being persisted."""
+        seen: set[int] = set()
+        out: set[int] = set()
+
+        def climb(b: int) -> None:
+            x = self.blocks[b].parent
+            while x >= 0 and x not in seen:
+                seen.add(x)
+                for q in self.blocks[x].pages:
+                    if q < 0 or self.pt[q].dead:
+                        continue
+                    d = q if self.pt[q].tier == DISK else self.copy_map[q] if self._has_copy(q) else -1
+                    if d >= 0 and self.pt[d].queued:
+                        out.add(d)
+                x = self.blocks[x].parent
+
+        for pages in self.persist_candidates():
+            for pid in pages.tolist():
+                climb(self.pt[pid].block)
+        return Pages(sorted(out))
 
     def persist_candidates(self) -> list[Pages]:
         """Per disk group: published pages not on disk (nor with a copy there),

@@ -162,6 +162,9 @@ def cmd_replay(args) -> int:
                 report_skipped(args.trace, requests.problems, requests.skipped)
             out = res.as_dict()
             out["skipped_lines"] = requests.skipped
+            if store.write_through is not None:     # clean copies are not moves: their own counts
+                await store.drain()
+                out["write_through"] = store.stats()["write_through"]
             return out
 
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
@@ -177,6 +180,10 @@ def cmd_replay(args) -> int:
 def _print_replay(out: dict) -> None:
     rows = [["requests", out["requests"]], ["blocks", out["blocks"]], ["hit rate", f"{out['hit_rate']:.2%}"]]
     rows += [[f"  hits on {t}", f"{r:.2%}"] for t, r in out["hit_rate_by_tier"].items()]
+    wt = out.get("write_through")
+    if wt:
+        rows += [["disk copies written", wt["copied_pages"]], ["  demotions onto a copy", wt["free_demotions"]],
+                 ["  copies evicted", wt["evicted_copies"]]]
     rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["pages verified", out["verified_pages"]],
              ["pages corrupt", out["corrupt_pages"]],
              ["loop lag p50 / p99 / max", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} / "
@@ -209,7 +216,7 @@ def cmd_demo(args) -> int:
 def cmd_stress(args) -> int:
     from .stress import run_stress
     out = run(run_stress(ops=args.ops, seed=args.seed, concurrency=args.concurrency, faults=args.faults,
-                         restarts=args.restarts, quiet=args.json))
+                         restarts=args.restarts, quiet=args.json, write=args.write))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -295,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", type=at_least(1), default=8)
     s.add_argument("--restarts", type=at_least(0), default=2)
     s.add_argument("--faults", action="store_true")
+    s.add_argument("--write", choices=("back", "through"), default="back",
+                   help="the disk tier's write policy (through: clean copies written in the background)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stress)
 

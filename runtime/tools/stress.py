@@ -30,12 +30,12 @@ from .replay import PageWriter
 TPB = 4
 
 
-def stress_config(disk_dir: str) -> StoreConfig:
+def stress_config(disk_dir: str, write: str = "back") -> StoreConfig:
     kv = (("k", 512), ("v", 512))
     layers = [LayerSpec(0, kv), LayerSpec(1, kv),
               LayerSpec(2, kv, window_tokens=12, sink_tokens=4, reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
     return StoreConfig(layers=layers, tokens_per_block=TPB, gpu=GpuConfig(slots=160, device="auto"),
-                       host=HostConfig(slots=96), disk=DiskConfig(path=disk_dir, slots=256, fsync=False))
+                       host=HostConfig(slots=96), disk=DiskConfig(path=disk_dir, slots=256, fsync=False, write=write))
 
 
 class _Run:
@@ -112,7 +112,7 @@ def _disk_keys(store: Store) -> set:
 
 
 async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, faults: bool = False,
-                     restarts: int = 2, quiet: bool = True) -> dict:
+                     restarts: int = 2, quiet: bool = True, write: str = "back") -> dict:
     from .cli import progress_bar
     run = _Run(seed, faults)
     lost = leaked = discarded = recovered = orphaned = 0
@@ -121,7 +121,7 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
             progress_bar(ops, "stress", not quiet) as advance:
         expected: set = set()
         for phase in range(phases):
-            cfg = stress_config(tmp)
+            cfg = stress_config(tmp, write)
             async with Store.open(cfg) as store:
                 if expected:
                     served = _disk_keys(store)
