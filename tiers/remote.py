@@ -105,6 +105,7 @@ _SCHEMES = ("redis", "rediss", "unix")
 
 MISS_KINDS = ("absent", "corrupt", "wrong_size", "mismatch", "circuit_open", "error")
 FAILURE_KINDS = ("timeout", "connection", "cluster", "other")
+SEND_PIECE_BYTES = 4 << 20                          # a pipeline goes out in writes of about this much
 _ops = ("exists", "get", "put")
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -587,7 +588,15 @@ class RemoteTier:
                 conn = await node.acquire()
                 clean = False
                 try:
-                    await conn.send_packed_command(chunks, check_health=False)
+                    # in pieces of about SEND_PIECE_BYTES: asyncio joins what one writelines gets into a
+                    # new bytes object, so a 64 MiB pipeline would be copied whole before its first byte
+                    # left; pieces overlap that copy with the server's reading
+                    start, size = 0, 0
+                    for i, c in enumerate(chunks):
+                        size += len(c)
+                        if size >= SEND_PIECE_BYTES or i == len(chunks) - 1:
+                            await conn.send_packed_command(chunks[start:i + 1], check_health=False)
+                            start, size = i + 1, 0
                     read = _reply_reader(conn)
                     for j in range(n):
                         try:
