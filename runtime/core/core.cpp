@@ -1427,6 +1427,12 @@ Ids Core::persist_anchors() const {
   };
   for (const Ids& g : persist_candidates())
     for (int32_t id : g) climb(pt_[id].block);
+  // Under write-through the disk also holds copies of hot pages, interleaved in recency with the
+  // rest: the ancestors of every disk page are pinned too, so that making room takes leaves.
+  if (wt_on_)
+    for (const Ids& o : owners_[DISK])
+      for (int32_t id : o)
+        if (id >= 0 && pt_[id].block >= 0) climb(pt_[id].block);
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;

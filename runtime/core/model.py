@@ -1764,6 +1764,11 @@ class ModelCore:
         for pages in self.persist_candidates():
             for pid in pages.tolist():
                 climb(self.pt[pid].block)
+        if self.wt_on:                          # copies interleave in recency: every disk page's ancestors
+            for owners in self.owners[DISK]:
+                for pid in owners:
+                    if pid >= 0 and self.pt[pid].block >= 0:
+                        climb(self.pt[pid].block)
         return Pages(sorted(out))
 
     def persist_candidates(self) -> list[Pages]:
