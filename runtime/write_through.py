@@ -97,7 +97,13 @@ class WriteThrough:
                 batches = core.split_batches(pages, DISK)
                 jobs = [store._spawn(self._batch(b, g)) for _, _, g, b in batches]
                 await asyncio.wait(jobs)
-                if not all(j.result() for j in jobs):
+                landed = True
+                for j in jobs:              # every outcome retrieved, the first error raised
+                    landed = landed and not j.cancelled() and j.exception() is None and j.result()
+                for j in jobs:
+                    if not j.cancelled() and j.exception() is not None:
+                        raise j.exception()
+                if not landed:
                     return
         except Exception as exc:            # noqa: BLE001 - the pages are queued again; the next pass retries
             self._failed(exc)
@@ -134,9 +140,11 @@ class WriteThrough:
         job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)), lambda: store.records(batch))
         try:
             ev = await store.engine.run(job, DISK, group, slots, fences, record=False)
-        except Exception as exc:            # the job has ended: its slots hold nothing the disk keeps
+        except BaseException as exc:        # as a failed move: the slots go back, the claims end
             core.give_back(DISK, group, slots)
             store._unclaim(batch, None)
+            if not isinstance(exc, Exception):
+                raise
             self._failed(exc)
             return False
         store.claims.settle(core.land_copies(batch, group, slots, store.events.id(ev)))

@@ -467,3 +467,42 @@ async def test_a_disk_that_refuses_copies_is_retried_each_interval_never_in_a_lo
         await asyncio.wait_for(store.drain(), 10)
         assert wt_stats(store)["pending"] == 0
         store.check_consistency()
+
+
+@pytest.mark.timeout(60)
+async def test_a_recycled_page_id_is_not_copied_before_its_writer_releases_it(tmp_path):
+    """Queue entries are page ids. Pages dropped before a pass leave stale entries, and a writer's
+    new page can take such an id: a pass must not copy that page while its writer still holds it
+    (its bytes may not be written yet); a later demotion onto the early copy would serve them
+    (found in review)."""
+    cfg = StoreConfig(layers=[LayerSpec(0, (("k", 256), ("v", 256)))], tokens_per_block=4,
+                      gpu=GpuConfig(slots=8, device=DEVICE), host=HostConfig(slots=8, codec="concat"),
+                      disk=DiskConfig(path=str(tmp_path), slots=8, fsync=False, write="through",
+                                      write_interval=60.0),
+                      persist_on_close=False)
+    async with Store.open(cfg) as store:
+        await asyncio.sleep(0.05)                       # the first (empty) background pass is done
+        core = store.core
+        for base in range(40):                          # pages cascade to the disk and drop: ids recycled
+            await fill(store, toks(1000 + base, 1))
+        seq = await store.open_sequence(tokens=toks(7, 1))
+        await seq.acquire()
+        await seq.extend(1)
+        pid = seq.pages[0][0].id
+        write_blocks(store, seq, [0], tag=1)            # not the final bytes yet (a kernel in flight)
+        seq.commit(1)
+        await store.drain()
+        assert core.copy_of(pid) == -1                  # its writer holds it: no copy yet
+        write_blocks(store, seq, [0], tag=0)
+        await seq.release()
+        await seq.close()
+        await store.drain()
+        assert core.copy_of(pid) >= 0                   # copied once released
+        for base in range(24):                          # down to the disk: a demotion onto the copy
+            await fill(store, toks(2000 + base, 1))
+        check = await store.open_sequence(tokens=toks(7, 1))
+        if check.matched_blocks:
+            await check.acquire()
+            assert torch.equal(read_block(store, check, 0, 0), expected_block(store, check, 0, 0))
+        await check.close()
+        store.check_consistency()

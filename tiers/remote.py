@@ -581,7 +581,7 @@ class RemoteTier:
         to ``on_reply(j, reply)`` (an error reply arrives as the exception object). True when every
         reply came back; a failure is counted and returns False. Never raises, except the caller's
         own CancelledError."""
-        from redis.exceptions import ResponseError
+        from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError
         self._n["round_trips"] += 1
         try:
             async with _timeout_at(deadline):
@@ -595,6 +595,8 @@ class RemoteTier:
                     for i, c in enumerate(chunks):
                         size += len(c)
                         if size >= SEND_PIECE_BYTES or i == len(chunks) - 1:
+                            if start and not conn.is_connected:   # redis-py would reconnect and send a tail
+                                raise RedisConnectionError("the connection closed mid-pipeline")
                             await conn.send_packed_command(chunks[start:i + 1], check_health=False)
                             start, size = i + 1, 0
                     read = _reply_reader(conn)

@@ -23,7 +23,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
            std::vector<std::vector<int32_t>> capacity)
     : tpb_(tokens_per_block), lcs_(std::move(lcs)), group_of_(std::move(group_of)), index_(int(lcs_.size())) {
   require(tpb_ > 0, "tokens_per_block must be positive");
-  require(!lcs_.empty() && lcs_.size() < 256, "1..255 life cycles");
+  require(!lcs_.empty() && lcs_.size() < 128, "1..127 life cycles");
   require(group_of_.size() == kTiers && capacity.size() == kTiers, "group_of and capacity need a row per tier");
   require(!capacity[GPU].empty(), "the GPU tier needs a pool group");
   int prev = -1;
@@ -608,7 +608,10 @@ void Core::release(int32_t s, int32_t event) {
     if (event && p.tier == GPU) p.ready = event;
     --p.locks;
     // write-through: a published page's bytes are final once a sequence that held it releases it
-    if (wt_on_ && p.published && !p.dead && p.tier != DISK && !has_copy(id)) wt_pending_.push_back(id);
+    if (wt_on_ && p.published && !p.dead && p.tier != DISK && !has_copy(id)) {
+      p.copy_ready = true;
+      wt_pending_.push_back(id);
+    }
   }
   queue_all(locked);
   for (int32_t id : locked) maybe_recycle(id);
@@ -1186,9 +1189,11 @@ Ids Core::take_copies(int32_t max_pages, Ids& claims) {
     int32_t id = wt_pending_[wt_head_++];
     if (!valid_page(id)) continue;
     Page& p = pt_[id];
-    if (!p.in_use() || p.dead || !p.published || p.copy || p.tier == DISK || has_copy(id) || p.block < 0 ||
-        index_.page(p.block, p.lc) != id)
-      continue;                                    // gone, or on the disk already
+    // gone, or on the disk already; or not copy_ready: a stale entry whose id was recycled into a
+    // page its writer may still be filling (that page is queued when released)
+    if (!p.in_use() || p.dead || !p.published || p.copy || !p.copy_ready || p.tier == DISK || has_copy(id) ||
+        p.block < 0 || index_.page(p.block, p.lc) != id)
+      continue;
     if (p.claim) {                                 // moving: try again later
       wt_pending_.push_back(id);
       continue;

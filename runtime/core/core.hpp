@@ -226,10 +226,10 @@ class Core {
   // most recent first, per disk group, at most `capacity` each; only pages whose
   // blocks reach the disk (reaches_disk), checked before and after the cut.
   std::vector<Ids> persist_candidates() const;
-  Ids still_persistable(const Ids& pages, int32_t group) const;
-  // Evictable disk pages of the ancestors of the persist candidates: the caller claims
-  // them while it persists (by id, ascending).
-  Ids persist_anchors() const;   // still the index's pages, bound for group
+  Ids still_persistable(const Ids& pages, int32_t group) const;   // still the index's pages, bound for group
+  // Evictable disk pages of the ancestors of the persist candidates (under write-through, of
+  // every disk page): the caller claims them while it persists (by id, ascending).
+  Ids persist_anchors() const;
   // Rebuild the index from recovered records; returns slots to forget per group
   // (not recoverable or unreachable). Counters: recovered, orphaned, discarded.
   std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
@@ -294,7 +294,10 @@ class Core {
     pt_[id].published = true;
     if (kv_events_.on) note(KV_STORED, id);
     // write-through: queued now if nobody holds it locked (its bytes are final), else when released
-    if (wt_on_ && pt_[id].tier != DISK && !pt_[id].locks) wt_pending_.push_back(id);
+    if (wt_on_ && pt_[id].tier != DISK && !pt_[id].locks) {
+      pt_[id].copy_ready = true;
+      wt_pending_.push_back(id);
+    }
   }
   void unpublish(int32_t id) {
     Page& p = pt_[id];

@@ -273,7 +273,7 @@ class Page:
     ``holders`` (or unpublished), else DROPPABLE."""
 
     __slots__ = ("stamp", "block", "slot", "claim", "ready", "locks", "holders", "lc", "tier", "group",
-                 "priority", "queued", "published", "dead", "relabel", "in_use", "copy")
+                 "priority", "queued", "published", "dead", "relabel", "in_use", "copy", "copy_ready")
 
     def __init__(self) -> None:
         self.stamp = 0            # recency: larger is more recent
@@ -294,6 +294,7 @@ class Page:
         self.in_use = False       # the id is allocated
         self.copy = False         # a clean copy (write-through): a disk page of a block whose index page
                                   # (the primary) lives in a warmer tier; never held, locked or published
+        self.copy_ready = False   # write-through: its bytes are final (published unlocked, or released since)
 
 
 class Block:
@@ -436,7 +437,7 @@ class ModelCore:
         group_of = [list(row) for row in group_of]
         capacity = [list(row) for row in capacity]
         _require(tokens_per_block > 0, "tokens_per_block must be positive")
-        _require(0 < len(lcs) < 256, "1..255 life cycles")
+        _require(0 < len(lcs) < 128, "1..127 life cycles")
         _require(len(group_of) == TIERS and len(capacity) == TIERS, "group_of and capacity need a row per tier")
         _require(len(capacity[GPU]) > 0, "the GPU tier needs a pool group")
         self.tpb = tokens_per_block
@@ -647,6 +648,7 @@ class ModelCore:
         """Indexed for reuse; with write-through on, a page outside the disk is queued for a copy."""
         self.pt[pid].published = True
         if self.wt_on and self.pt[pid].tier != DISK and not self.pt[pid].locks:
+            self.pt[pid].copy_ready = True
             self.wt_pending.append(pid)     # bytes final now; a locked page is queued when released
 
     def _unpublish(self, pid: int) -> None:
@@ -1102,6 +1104,7 @@ class ModelCore:
             p.locks -= 1
             # write-through: a published page's bytes are final once a sequence that held it releases it
             if self.wt_on and p.published and not p.dead and p.tier != DISK and not self._has_copy(pid):
+                p.copy_ready = True
                 self.wt_pending.append(pid)
         self._queue_all(locked)
         for pid in locked:
@@ -1586,7 +1589,9 @@ class ModelCore:
             if not 0 <= pid < len(self.pt):
                 continue
             p = self.pt[pid]
-            if (not p.in_use or p.dead or not p.published or p.copy or p.tier == DISK or self._has_copy(pid)
+            # not copy_ready: a stale entry whose id was recycled into a page still being written
+            if (not p.in_use or p.dead or not p.published or p.copy or not p.copy_ready or p.tier == DISK
+                    or self._has_copy(pid)
                     or p.block < 0 or self.blocks[p.block].pages[p.lc] != pid):
                 continue                        # gone, or on the disk already
             if p.claim:                         # moving: to the back, tried again later

@@ -32,7 +32,8 @@ struct Page {
   int32_t ready = 0;        // event of the last copy that wrote it (0: none)
   uint16_t locks = 0;       // active sequences that need it on the GPU (LOCKED); locks <= holders
   uint16_t holders = 0;     // sequence rows that refer to it (HELD); at most kMaxHolders
-  uint8_t lc = 0;
+  uint8_t lc : 7;           // life cycle, 0..126
+  bool copy_ready : 1;      // write-through: its bytes are final (published unlocked, or released since)
   uint8_t group = 0;
   uint8_t priority : 7;     // 0..100
   bool copy : 1;            // a clean copy (write-through): the index names another page of its block, the
@@ -42,7 +43,7 @@ struct Page {
   bool published : 1;       // indexed for reuse
   bool dead : 1;            // left the store; its slot is freed once no claim holds it
   bool relabel : 1;         // published while claimed: relabel its journal record if it ends on disk
-  Page() : priority(0), copy(false), tier(NO_TIER), queued(NOT_QUEUED), published(false), dead(false), relabel(false) {}
+  Page() : lc(0), copy_ready(false), priority(0), copy(false), tier(NO_TIER), queued(NOT_QUEUED), published(false), dead(false), relabel(false) {}
   bool in_use() const { return tier != NO_TIER; }
 };
 static_assert(sizeof(Page) == 40, "the page record grew");
