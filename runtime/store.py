@@ -145,6 +145,7 @@ class Store:
         if self.write_through is not None:
             self.core.set_write_through(True)   # from here on every page published off the disk is queued
             self.write_through.start()
+            self._warn_small_write_through_disk()
         if self.remote is not None:
             await self.remote.open()            # an unreachable server is a tier with its circuit open
         for t in self.tier_ids:
@@ -227,6 +228,18 @@ class Store:
         if self.engine is not None or self.disk is not None or self.kv_events is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._shutdown)
+
+    def _warn_small_write_through_disk(self) -> None:
+        """Write-through keeps a copy of every page above the disk on it: a disk no larger than
+        GPU + host evicts copies to make copies, and holds fewer distinct pages than write-back."""
+        core = self.core
+        above = sum(core.capacity(t, g) for t in (GPU, HOST) if t in self.tier_ids for g in range(core.n_groups(t)))
+        disk = sum(core.capacity(DISK, g) for g in range(core.n_groups(DISK)))
+        if disk <= above:
+            log.warning("disk write = \"through\" with %d disk slots for %d GPU and host slots: the disk cannot "
+                        "hold a copy of what is above it, so copies will evict each other (and pages only the "
+                        "disk has); give the disk several times the slots above it, or use write = \"back\"",
+                        disk, above)
 
     def _shutdown(self) -> None:
         if self.kv_events is not None:

@@ -506,3 +506,15 @@ async def test_a_recycled_page_id_is_not_copied_before_its_writer_releases_it(tm
             assert torch.equal(read_block(store, check, 0, 0), expected_block(store, check, 0, 0))
         await check.close()
         store.check_consistency()
+
+
+async def test_a_disk_no_larger_than_gpu_and_host_is_warned_about(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="kvtier"):
+        async with Store.open(wt_config(tmp_path, gpu=16, host=32, disk=48)):
+            pass
+    assert any("cannot hold a copy" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvtier"):
+        async with Store.open(wt_config(tmp_path, gpu=16, host=32, disk=512)):
+            pass
+    assert not any("cannot hold a copy" in r.getMessage() for r in caplog.records)
