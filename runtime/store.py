@@ -903,8 +903,11 @@ class Store:
     async def drain(self) -> None:
         """Wait until no move, eviction or background demotion is in flight,
         and (write-through) every page that can be copied to disk now is."""
+        def background() -> bool:       # a stopped reclaimer (the store closed) runs nothing, woken or not
+            return any(r.busy or (r.wake.is_set() and r.task is not None) for r in self.reclaimers.values())
+
         while True:
-            while self._tasks or any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
+            while self._tasks or background():
                 await self._wait_tasks()
                 await asyncio.sleep(0.001)
             if self.write_through is None or self.closed:
@@ -913,7 +916,7 @@ class Store:
             running = self.write_through.flush_pass()
             await asyncio.wait([running])
             await asyncio.wait([self.write_through.flush_pass()])
-            if not self._tasks and not any(r.busy or r.wake.is_set() for r in self.reclaimers.values()):
+            if not self._tasks and not background():
                 return
 
     async def _wait_tasks(self) -> None:

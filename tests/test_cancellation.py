@@ -111,3 +111,15 @@ async def test_start_after_close_is_refused_and_holds_no_lock(tmp_path):
         await store.start()
     async with Store.open(config(gpu=4, disk=16, disk_dir=tmp_path)):
         pass                                             # the directory's lock is free
+
+
+async def test_drain_after_close_returns_even_if_a_reclaimer_was_woken(tmp_path):
+    """A reclaimer stopped by close() keeps its wake flag if it was set just before: drain() must
+    not wait for a task that no longer runs (found in review)."""
+    store = await Store.open(config(gpu=64, host=64))
+    await fill(store, toks(1, 4))
+    await store.close()
+    assert store.reclaimers
+    for r in store.reclaimers.values():
+        r.wake.set()
+    await asyncio.wait_for(store.drain(), 2)
