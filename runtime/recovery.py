@@ -31,20 +31,21 @@ async def persist(store: "Store") -> None:
     core = store.core
     # The disk pages above what the disk keeps are pinned while persisting: the evictions that make
     # room then take only leaves, never an ancestor that would strand its subtree after a restart.
-    anchors = core.persist_anchors()
+    candidates = core.persist_candidates()
+    anchors = core.persist_anchors(candidates)
     if anchors:
         store._claim(anchors, DISK)
     try:
-        await _persist_candidates(store)
+        await _persist_candidates(store, candidates)
     finally:
         if anchors:
             store._unclaim(anchors, None)
     await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
 
-async def _persist_candidates(store: "Store") -> None:
+async def _persist_candidates(store: "Store", candidates: list) -> None:
     core = store.core
-    for g, pages in enumerate(core.persist_candidates()):
+    for g, pages in enumerate(candidates):
         for i in range(0, len(pages), PERSIST_CHUNK):
             # ids taken before earlier chunks' awaits: keep those still the index's pages for this group
             chunk = core.still_persistable(pages.slice(i, i + PERSIST_CHUNK), g)

@@ -2,6 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
 
 import torch
 
@@ -10,6 +17,45 @@ from runtime.tools.content import key_seed, pattern
 
 
 DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")    # scripts/gpu_check.py sets "cuda"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_until_killed(code: str, args: list[str], stop: Callable[[list[str]], bool], delay: float = 0.0,
+                     deadline: float = 60.0) -> tuple[list[str], float]:
+    """Run ``code`` in a child Python (the repository on its path) until ``stop(lines)`` holds for
+    the lines read so far, sleep ``delay``, SIGKILL it: a real crash. Returns every complete line it
+    printed (those after the last one read too) and the parent's monotonic time of the kill."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryFile() as errf:
+        child = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=errf,
+                                 cwd=ROOT, env=env)
+        watchdog = threading.Timer(deadline, child.kill)    # a hung child fails the test, never stalls it
+        watchdog.start()
+        lines: list[str] = []
+        killed_at = 0.0
+        try:
+            while not stop(lines):
+                line = child.stdout.readline()
+                if not line:
+                    child.wait()
+                    errf.seek(0)
+                    raise AssertionError(f"child ended early (rc {child.returncode}): "
+                                         f"{errf.read().decode()[-3000:]}")
+                lines.append(line.decode())
+            time.sleep(delay)
+            os.kill(child.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+        finally:
+            watchdog.cancel()
+            if child.poll() is None:
+                child.kill()
+            # what it printed before dying: read through the same buffered reader (it may hold some already)
+            rest = child.stdout.read()
+            child.stdout.close()
+            child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    lines += [ln + "\n" for ln in rest.decode().split("\n")[:-1]]   # complete lines printed before the kill
+    return lines, killed_at
 
 
 def config(gpu=8, host=None, disk=None, disk_dir=None, tpb=4, layers=None, codec="concat", **kw) -> StoreConfig:

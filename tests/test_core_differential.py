@@ -675,17 +675,18 @@ class Driver:
             self.call("land_copies", batch, g, slots, event)
 
     def persist(self, chunk: int) -> None:
-        anchors = self.call("persist_anchors")             # pinned: eviction takes only leaves
+        candidates = self.call("persist_candidates")
+        anchors = self.call("persist_anchors", candidates)     # pinned: eviction takes only leaves
         if anchors.tolist():
             self.call("claim", anchors, DISK, False)
         try:
-            self._persist(chunk)
+            self._persist(candidates, chunk)
         finally:
             if anchors.tolist():
                 self.call("unclaim", anchors)
 
-    def _persist(self, chunk: int) -> None:
-        for g, pages in enumerate(self.call("persist_candidates")):
+    def _persist(self, candidates, chunk: int) -> None:
+        for g, pages in enumerate(candidates):
             for i in range(0, len(pages), chunk):
                 part = self.call("still_persistable", pages.slice(i, i + chunk), g)
                 if not part.tolist():

@@ -13,19 +13,12 @@ Two rounds run on the same directory, the second child continuing from what the 
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-
 import numpy as np
 import torch
 
 from tiers.disk import DiskTier
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import run_until_killed
 FP = {"test": "crash"}
 GROUPS = [(65536, 384), (12288, 256)]
 
@@ -76,36 +69,15 @@ def page_bytes(key: int, width: int) -> np.ndarray:
 
 
 def run_and_kill(path: str, seed: int, writes_before_kill: int, delay: float = 0.0) -> list[str]:
-    """Run the child until it has reported ``writes_before_kill`` writes, wait ``delay`` s, SIGKILL it;
-    returns the complete lines it printed."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with tempfile.TemporaryFile() as errf:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, path, str(seed)], stdout=subprocess.PIPE,
-                                 stderr=errf, cwd=ROOT, env=env)
-        lines: list[str] = []
-        writes = 0
-        try:
-            while writes < writes_before_kill:
-                line = child.stdout.readline()
-                if not line:
-                    child.wait()
-                    errf.seek(0)
-                    raise AssertionError(f"child died early: {errf.read().decode()[-2000:]}")
-                lines.append(line.decode())
-                writes += line.startswith(b"W")
-            time.sleep(delay)
-            os.kill(child.pid, signal.SIGKILL)          # the next write() is already under way
-        finally:
-            if child.poll() is None:
-                child.kill()
-            # what it printed before dying: read through the same buffered reader (it may hold some already)
-            rest = child.stdout.read()
-            child.stdout.close()
-            child.wait(timeout=30)
-    assert child.returncode == -signal.SIGKILL
-    tail = rest.decode().split("\n")
-    lines += [ln + "\n" for ln in tail[:-1]]            # complete lines printed before the kill
-    return lines
+    """Run the child until it has reported ``writes_before_kill`` writes, wait ``delay`` s, SIGKILL it
+    (the next write() is already under way); returns the complete lines it printed."""
+    writes = 0
+
+    def enough(lines: list[str]) -> bool:
+        nonlocal writes
+        writes += bool(lines) and lines[-1].startswith("W")     # called once per line read
+        return writes >= writes_before_kill
+    return run_until_killed(CHILD, [path, str(seed)], enough, delay)[0]
 
 
 def expectations(lines: list[str], state: list[dict]) -> tuple[list[dict], list[dict], int]:

@@ -10,12 +10,6 @@ store serves is checked against ``expected_block``.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 
 import pytest
@@ -26,9 +20,7 @@ from runtime import (ConfigError, DiskConfig, GpuConfig, HostConfig, KvtierError
 from runtime.migration import MigrationEngine
 from runtime.pages import DISK
 
-from helpers import DEVICE, config, expected_block, fill, read_block, toks, write_blocks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import DEVICE, config, expected_block, fill, read_block, run_until_killed, toks, write_blocks
 NB = 4                          # blocks per sequence
 INTERVAL = 0.02                 # write_interval of the write-through stores
 
@@ -111,38 +103,8 @@ def run_and_kill(disk_dir, write, *, mode, n=0, fsync=False, gpu=16, host=32, di
                  stop=lambda lines: False, delay=0.0, deadline=60.0) -> tuple[list[str], float]:
     """Run CHILD until ``stop(lines)`` holds for the lines read so far, sleep ``delay``, SIGKILL it.
     Returns every complete line it printed and the (parent's) monotonic time of the kill."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = [str(disk_dir), write, "1" if fsync else "0", mode, str(n), str(NB), str(gpu), str(host), str(disk)]
-    with tempfile.TemporaryFile() as errf:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE, stderr=errf,
-                                 cwd=ROOT, env=env)
-        watchdog = threading.Timer(deadline, child.kill)    # a hung child fails the test, never stalls it
-        watchdog.start()
-        lines: list[str] = []
-        rest = b""
-        killed_at = None
-        try:
-            while not stop(lines):
-                line = child.stdout.readline()
-                if not line:
-                    child.wait()
-                    errf.seek(0)
-                    raise AssertionError(f"child ended early (rc {child.returncode}): "
-                                         f"{errf.read().decode()[-3000:]}")
-                lines.append(line.decode())
-            time.sleep(delay)
-            os.kill(child.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-        finally:
-            watchdog.cancel()
-            if child.poll() is None:
-                child.kill()
-            rest = child.stdout.read()
-            child.stdout.close()
-            child.wait(timeout=30)
-    assert child.returncode == -signal.SIGKILL
-    lines += [ln + "\n" for ln in rest.decode().split("\n")[:-1]]   # complete lines printed before the kill
-    return lines, killed_at
+    return run_until_killed(CHILD, args, stop, delay, deadline)
 
 
 def committed(lines: list[str]) -> list[tuple[int, float | None]]:

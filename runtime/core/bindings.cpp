@@ -308,7 +308,11 @@ NB_MODULE(_core, m) {
              Ids rest = c.swap_to_copies(ids(c, p), out);
              return nb::make_tuple(out.claims, out.slots, Pages{std::move(rest)});
            })
-      .def("persist_anchors", [](const Core& c) { return Pages{c.persist_anchors()}; })
+      .def("persist_anchors", [](const Core& c, const std::vector<Pages>& candidates) {
+             std::vector<Ids> groups;
+             for (const Pages& p : candidates) groups.push_back(ids(c, p));
+             return Pages{c.persist_anchors(groups)};
+           })
       .def("copy_of", [](const Core& c, int32_t id) { c.page(id); return c.copy_of(id); })
       .def("split_batches", [](const Core& c, const Pages& p, int dst_tier) {
              nb::list out;

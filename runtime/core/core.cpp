@@ -912,6 +912,11 @@ Ids Core::claim(const Ids& pages, int to_tier, bool one_queue) {
     for (int32_t id : pages) pt_[id].claim = c;
     return fresh;
   }
+  return claim_batches(pages, dst_group, false);
+}
+
+Ids Core::claim_batches(const Ids& pages, const std::vector<int32_t>& dst_group, bool copy) {
+  Ids fresh;
   struct K {
     int8_t tier;
     int32_t group, dst;
@@ -932,7 +937,7 @@ Ids Core::claim(const Ids& pages, int to_tier, bool one_queue) {
       for (const K& k : keys)
         if (k.tier == kt && k.group == kg && k.dst == kd) cur = k.claim;
       if (!cur) {
-        cur = next_claim();
+        cur = copy ? next_copy_claim() : next_claim();
         keys.push_back({kt, kg, kd, cur});
         fresh.push_back(cur);
       }
@@ -1205,26 +1210,8 @@ Ids Core::take_copies(int32_t max_pages, Ids& claims) {
     wt_pending_.erase(wt_pending_.begin(), wt_pending_.begin() + std::ptrdiff_t(wt_head_));
     wt_head_ = 0;
   }
-  // one copy claim per (source tier, source group, disk group), as claim() makes them
-  struct K {
-    int8_t tier;
-    int32_t group, dst, claim;
-  };
-  std::vector<K> keys;
-  for (int32_t id : taken) {
-    Page& p = pt_[id];
-    int32_t d = group_of_[DISK][p.lc];
-    int32_t cur = 0;
-    for (const K& k : keys)
-      if (k.tier == p.tier && k.group == p.group && k.dst == d) cur = k.claim;
-    if (!cur) {
-      cur = next_copy_claim();
-      keys.push_back({p.tier, p.group, d, cur});
-      claims.push_back(cur);
-    }
-    p.claim = cur;
-    unqueue(id);
-  }
+  for (int32_t id : taken) pt_[id].claim = 0;     // the placeholders go: real copy claims, as claim() makes them
+  claims = claim_batches(taken, group_of_[DISK], true);
   return taken;
 }
 
@@ -1413,7 +1400,7 @@ std::vector<Ids> Core::persist_candidates() const {
   return out;
 }
 
-Ids Core::persist_anchors() const {
+Ids Core::persist_anchors(const std::vector<Ids>& candidates) const {
   // The disk pages (primaries there, and copies) of every block above a page persisting will
   // write. Pinned while persisting, the evictions that make room cannot take them: an evicted
   // ancestor would leave the persisted page unreachable after a restart.
@@ -1430,8 +1417,9 @@ Ids Core::persist_anchors() const {
       }
     }
   };
-  for (const Ids& g : persist_candidates())
-    for (int32_t id : g) climb(pt_[id].block);
+  for (const Ids& g : candidates)
+    for (int32_t id : g)
+      if (valid_page(id) && pt_[id].in_use() && pt_[id].block >= 0) climb(pt_[id].block);
   // Under write-through the disk also holds copies of hot pages, interleaved in recency with the
   // rest: the ancestors of every disk page are pinned too, so that making room takes leaves.
   if (wt_on_)

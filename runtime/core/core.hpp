@@ -227,9 +227,9 @@ class Core {
   // blocks reach the disk (reaches_disk), checked before and after the cut.
   std::vector<Ids> persist_candidates() const;
   Ids still_persistable(const Ids& pages, int32_t group) const;   // still the index's pages, bound for group
-  // Evictable disk pages of the ancestors of the persist candidates (under write-through, of
-  // every disk page): the caller claims them while it persists (by id, ascending).
-  Ids persist_anchors() const;
+  // Evictable disk pages of the ancestors of `candidates` (persist_candidates' answer; under
+  // write-through, of every disk page too): the caller claims them while it persists (by id, ascending).
+  Ids persist_anchors(const std::vector<Ids>& candidates) const;
   // Rebuild the index from recovered records; returns slots to forget per group
   // (not recoverable or unreachable). Counters: recovered, orphaned, discarded.
   std::vector<Ids> recover(std::vector<RecoveredRecord>& records);
@@ -282,6 +282,9 @@ class Core {
   bool has_copy(int32_t id) const { return size_t(id) < copy_of_.size() && copy_of_[size_t(id)] >= 0; }
   void free_copy(int32_t primary);             // its copy leaves the store (slot freed, or kept by a claim)
   int32_t next_copy_claim();
+  // One claim per (source tier, source group, destination group) of `pages`, in order of first
+  // appearance; copy claims (negative) when `copy`. Returns the new claim ids.
+  Ids claim_batches(const Ids& pages, const std::vector<int32_t>& dst_group, bool copy);
   int64_t disk_stamp(int32_t b, int lc) const;   // recency of block b's page (lc) on the disk; INT64_MAX: none
   bool reaches_disk(int32_t b, const std::vector<uint8_t>& chosen, std::vector<int8_t>& memo) const;
   void note(KvEventKind kind, int32_t id);     // a KV event for the page's block, in its tier

@@ -1333,6 +1333,12 @@ class ModelCore:
             for pid in ids:
                 self.pt[pid].claim = c
             return fresh
+        return self._claim_batches(ids, dst_group, self._next_claim)
+
+    def _claim_batches(self, ids: list[int], dst_group: list[int], next_claim) -> list[int]:
+        """One claim (from ``next_claim``) per (source tier, source group, destination group),
+        in order of first appearance; the new claim ids."""
+        fresh = []
         claims: dict[tuple[int, int, int], int] = {}
         key, cur = None, 0
         for pid in ids:
@@ -1344,7 +1350,7 @@ class ModelCore:
                 key = (p.tier, p.group, d)
                 cur = claims.get(key, 0)
                 if not cur:
-                    cur = claims[key] = self._next_claim()
+                    cur = claims[key] = next_claim()
                     fresh.append(cur)
             p.claim = cur
             self._unqueue(pid)
@@ -1599,18 +1605,9 @@ class ModelCore:
                 continue
             taken.append(pid)
             p.claim = -1                        # a placeholder: a duplicate entry now reads as busy
-        claims: list[int] = []
-        keys: dict[tuple[int, int, int], int] = {}
-        for pid in taken:
-            p = self.pt[pid]
-            key = (p.tier, p.group, self.group_of[DISK][p.lc])
-            cur = keys.get(key, 0)
-            if not cur:
-                cur = keys[key] = self._next_copy_claim()
-                claims.append(cur)
-            p.claim = cur
-            self._unqueue(pid)
-        return (Pages(taken), claims)
+        for pid in taken:                       # the placeholders go: real copy claims, as claim() makes them
+            self.pt[pid].claim = 0
+        return (Pages(taken), self._claim_batches(taken, self.group_of[DISK], self._next_copy_claim))
 
     def _disk_stamp(self, b: int, lc: int) -> float:
         """Recency of block ``b``'s page (``lc``) on the disk (inf: none there)."""
@@ -1747,7 +1744,7 @@ class ModelCore:
             memo[node] = ok
         return ok
 
-    def persist_anchors(self) -> Pages:
+    def persist_anchors(self, candidates: list[Pages]) -> Pages:
         """The evictable disk pages (primaries there, and copies) of every block
         above a persist candidate; claimed while persisting, so that making room
         never evicts an ancestor of a page being persisted."""
@@ -1766,9 +1763,10 @@ class ModelCore:
                         out.add(d)
                 x = self.blocks[x].parent
 
-        for pages in self.persist_candidates():
+        for pages in candidates:
             for pid in pages.tolist():
-                climb(self.pt[pid].block)
+                if 0 <= pid < len(self.pt) and self.pt[pid].in_use and self.pt[pid].block >= 0:
+                    climb(self.pt[pid].block)
         if self.wt_on:                          # copies interleave in recency: every disk page's ancestors
             for owners in self.owners[DISK]:
                 for pid in owners:
