@@ -21,25 +21,39 @@ class Sequence:
     store does the work. The sequence's blocks and pages live in the native
     core under ``sid``; this object holds its keys and asyncio state."""
 
-    __slots__ = ("store", "sid", "keys", "tail", "num_tokens", "priority", "matched_blocks", "matched_by_tier",
+    __slots__ = ("store", "sid", "keys", "tail", "num_tokens", "priority", "matched_blocks", "_by_tier", "_remote",
                  "closed", "busy", "task", "final_committed")
 
     def __init__(self, store: "Store", sid: int, keys: list[BlockKey], tokens: np.ndarray | None,
-                 priority: int) -> None:
+                 priority: int, matched: int = 0, by_tier: tuple = (0, 0, 0, 0), remote: int | None = None) -> None:
         self.store = store
         self.sid = sid
         self.keys = keys
-        # opened with tokens: those after the last full block, kept to hash the next one (append)
-        tpb = store.cfg.tokens_per_block
-        self.tail = None if tokens is None else tokens[len(keys) * tpb:].copy()
-        self.num_tokens = 0 if tokens is None else len(tokens)
+        if tokens is None:
+            self.tail = None
+            self.num_tokens = 0
+        else:   # opened with tokens: those after the last full block, kept to hash the next one (append)
+            self.tail = tokens[len(keys) * store.tpb:].copy()
+            self.num_tokens = len(tokens)
         self.priority = priority
-        self.matched_blocks = 0
-        self.matched_by_tier = {"gpu": 0, "host": 0, "disk": 0}
+        self.matched_blocks = matched
+        self._by_tier = by_tier                 # the core's count per tier of the coldest matched page
+        self._remote = remote                   # blocks imported from the remote tier (None: no remote tier)
         self.closed = False
         self.busy = False
         self.task = None                        # the running acquire/extend (it outlives a cancelled caller)
         self.final_committed = 0                # committed blocks when it closed
+
+    @property
+    def matched_by_tier(self) -> dict[str, int]:
+        """Matched blocks by the tier their coldest page was in at open; with a
+        remote tier, "remote" counts the blocks imported from it (they are on
+        the host now, and not counted there)."""
+        gpu, host, disk = self._by_tier[0], self._by_tier[1], self._by_tier[2]
+        remote = self._remote
+        if remote is None:
+            return {"gpu": gpu, "host": host, "disk": disk}
+        return {"gpu": gpu, "host": host - min(remote, host), "disk": disk, "remote": remote}
 
     @property
     def committed(self) -> int:
@@ -122,12 +136,14 @@ class Sequence:
         On CUDA, ``stream`` (default: the current stream) is also made to wait
         on the pages' ready events: those of other sequences' kernels too."""
         self._check_open()
-        self.store._check_stream(stream)
+        store = self.store
+        if stream is not None:
+            store._check_stream(stream)
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
-        if not self.store._acquire_now(self):
-            await self.store._run_exclusive(self, self.store._acquire(self), self.store._undo_acquire)
-        self.store._stream_wait(self, stream)       # on CUDA, the current stream when none is given
+        if not store._acquire_now(self):
+            await store._run_exclusive(self, store._acquire(self), store._undo_acquire)
+        store._stream_wait(self, stream)       # on CUDA, the current stream when none is given
 
     def prefetch(self) -> None:
         """Start bringing the pages the next ``acquire`` needs to the GPU in
@@ -161,12 +177,7 @@ class Sequence:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if self.busy:
             raise UsageError("commit while an acquire or extend of this sequence is still running")
-        if num_blocks > self.num_blocks:
-            raise UsageError(f"cannot commit {num_blocks} blocks: only {self.num_blocks} have pages")
-        if num_blocks > len(self.keys):
-            raise UsageError(f"cannot commit {num_blocks} blocks: only {len(self.keys)} have keys "
-                             "(append the tokens first)")
-        self.store._commit(self, num_blocks)
+        self.store._commit(self, num_blocks)        # past the blocks with pages or keys: UsageError
 
     async def _settle(self) -> None:
         """Wait out an acquire/extend whose caller was cancelled."""
@@ -179,7 +190,8 @@ class Sequence:
         work queued so far on ``stream`` (default: the current stream) fences
         the pages: no move copies them before it is done."""
         self._check_open()
-        self.store._check_stream(stream)
+        if stream is not None:
+            self.store._check_stream(stream)
         if self.busy:
             await self._settle()
         self.store._release(self, stream)

@@ -31,7 +31,7 @@ from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
 from tiers.streams import CudaEvent
 
-from .core import Core, CoreError, Pages
+from .core import COMMIT_PAST_BLOCKS, Core, CoreError, Pages
 from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
@@ -84,6 +84,7 @@ class Store:
         self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
         self.core: Core | None = None
         self.device: Device | None = None
+        self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
         self.disk = None
         self.engine: MigrationEngine | None = None
         self.nodes = IndexView(self)
@@ -170,6 +171,7 @@ class Store:
         if self.kv_events is not None:
             self.kv_events.open()               # binds its sockets: a bad endpoint fails the start first
         self.device = Device(cfg.gpu.device, host_cfg.pinned if host_cfg else None)
+        self.cuda = self.device.is_cuda
         cfg.check_memory(self.device.free_bytes(), host_available_bytes())
         n = {name: cfg.slots_per_group(name) for name in TIER_NAMES}
         gpu = [SlabPool(g, s, self.device) for g, s in zip(self.layout.groups["gpu"], n["gpu"])]
@@ -228,6 +230,9 @@ class Store:
         if self.engine is not None or self.disk is not None or self.kv_events is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._shutdown)
+        for pools in getattr(self, "slabs", ()):
+            for pool in pools:
+                pool.release()
 
     def _warn_small_write_through_disk(self) -> None:
         """Write-through keeps a copy of every page above the disk on it: a disk no larger than
@@ -290,15 +295,16 @@ class Store:
     # -- sequences -------------------------------------------------------------------------
     async def open_sequence(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None,
                             priority: int | None = None) -> Sequence:
-        self._check()
-        if self._closing is not None:
+        if self.closed or not self.started or self._closing is not None:
+            self._check()
             raise StoreClosedError("store is closing")
         if (tokens is None) == (block_keys is None):
             raise UsageError("pass exactly one of tokens= or block_keys=")
         if priority is None:
             priority = self.cfg.default_priority
-        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
+        elif not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
             raise UsageError(f"priority must be an integer in 0..100, got {priority!r}")
+        core = self.core
         if tokens is not None:
             token_arr = await token_array_async(tokens)
             if len(token_arr) <= HASH_ON_LOOP_TOKENS:
@@ -307,42 +313,37 @@ class Store:
                 keys = await asyncio.get_running_loop().run_in_executor(
                     None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
             self._check()                   # the store may have closed meanwhile
-            sid, matched, by_tier = self.core.open(keys, priority)
+            sid, matched, by_tier = core.open(keys, priority)
+            if self.kv_events is not None:  # KV events: the blocks' tokens, for their BlockStored
+                self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
         else:
             token_arr = None
             keys = list(block_keys) if isinstance(block_keys, (list, tuple)) else check_block_keys(block_keys)
             try:
-                sid, matched, by_tier = self.core.open(keys, priority)     # checks ints and bytes in C++
+                sid, matched, by_tier = core.open(keys, priority)     # checks ints and bytes in C++
             except (ValueError, TypeError):
                 # numpy ints, bools, mixed kinds...: the Python check names the problem or
                 # normalises the keys (nothing changed in the core)
                 keys = check_block_keys(block_keys)
                 try:
-                    sid, matched, by_tier = self.core.open(keys, priority)
+                    sid, matched, by_tier = core.open(keys, priority)
                 except (ValueError, TypeError) as exc:
                     raise UsageError(str(exc)) from None
-        def keep_tokens(sid: int) -> None:      # KV events: the blocks' tokens, for their BlockStored
-            if token_arr is not None and self.kv_events is not None:
-                self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
-        keep_tokens(sid)
-        remote = 0
-        if self.remote is not None and matched < len(keys):
-            remote, again = await self._remote_import(sid, keys, matched)
-            if again:                       # matched again, over the imported blocks (or another's)
-                self.core.close(sid)
-                self._recounted[0] += len(keys)
-                for t in range(3):
-                    self._recounted[1 + t] += by_tier[t]
-                sid, matched, by_tier = self.core.open(keys, priority)
-                self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
-                keep_tokens(sid)
-        seq = Sequence(self, sid, keys, token_arr, priority)
-        seq.matched_blocks = matched
-        seq.matched_by_tier = dict(zip(TIER_NAMES, by_tier))
+        remote = None
         if self.remote is not None:
-            seq.matched_by_tier["host"] -= min(remote, seq.matched_by_tier["host"])
-            seq.matched_by_tier["remote"] = remote
-        return seq
+            remote = 0
+            if matched < len(keys):
+                remote, again = await self._remote_import(sid, keys, matched)
+                if again:                       # matched again, over the imported blocks (or another's)
+                    core.close(sid)
+                    self._recounted[0] += len(keys)
+                    for t in range(3):
+                        self._recounted[1 + t] += by_tier[t]
+                    sid, matched, by_tier = core.open(keys, priority)
+                    self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
+                    if token_arr is not None and self.kv_events is not None:
+                        self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+        return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
 
     async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
         """The remote run after sequence ``sid``'s match, imported by a task of the store's
@@ -411,8 +412,8 @@ class Store:
 
     def _extend_now(self, seq: Sequence, n: int) -> list | None:
         """The common case, without a task: every GPU group has the free
-        slots. Returns the fences to wait for, or None to take the slow path."""
-        self._check()
+        slots. Returns the fences to wait for, or None to take the slow path.
+        (The sequence checked that it and the store are open.)"""
         if n > self.max_extend:
             self._extend_counts(n)              # raises, naming the group
         core = self.core
@@ -455,11 +456,12 @@ class Store:
     # -- acquire / release -------------------------------------------------------------------
     def _acquire_now(self, seq: Sequence) -> bool:
         """The common case, without a task: every needed page is on the GPU
-        and still. Locks them and returns True; else False (slow path)."""
-        self._check()
-        if seq.acquired:
+        and still. Locks them and returns True; else False (slow path).
+        (The sequence checked that it and the store are open.)"""
+        done = self.core.acquire_now(seq.sid)
+        if done < 0:
             raise UsageError("sequence is already acquired")
-        return self.core.acquire_now(seq.sid)
+        return done > 0
 
     async def _acquire(self, seq: Sequence) -> Pages:
         self._check()
@@ -545,7 +547,11 @@ class Store:
         self._sync()
 
     def _release(self, seq: Sequence, stream=None) -> None:
-        """Unlock exactly the pages this sequence locked (others may share them)."""
+        """Unlock exactly the pages this sequence locked (others may share them;
+        a sequence not acquired has none: the core does nothing)."""
+        if stream is None and not self.cuda:        # no stream to fence the pages with
+            self.core.release(seq.sid, 0)
+            return
         if not seq.acquired:
             return
         ev = stream_event(self._caller_stream(stream))
@@ -559,6 +565,8 @@ class Store:
         return stream
 
     def _stream_wait(self, seq: Sequence, stream) -> None:
+        if stream is None and not self.cuda:
+            return
         stream = self._caller_stream(stream)
         if stream is None:
             return
@@ -569,16 +577,23 @@ class Store:
     # -- commit / close ------------------------------------------------------------------------
     def _commit(self, seq: Sequence, n: int) -> None:
         bad = self.core.commit(seq.sid, n)
-        if bad >= 0:
-            raise UsageError(f"block key {seq.keys[bad]!r} at position {bad} is already indexed at another position")
-        self._sync()
+        if bad != -1:
+            if bad >= 0:
+                raise UsageError(f"block key {seq.keys[bad]!r} at position {bad} is already indexed at "
+                                 "another position")
+            if bad == COMMIT_PAST_BLOCKS:
+                raise UsageError(f"cannot commit {n} blocks: only {self.core.num_blocks(seq.sid)} have pages")
+            raise UsageError(f"cannot commit {n} blocks: only {len(seq.keys)} have keys (append the tokens first)")
+        if self.disk is not None:
+            self._sync()
 
     def _close_sequence(self, seq: Sequence) -> None:
-        seq.final_committed = self.core.committed(seq.sid)
-        self._release(seq)              # on CUDA, the caller's current stream fences what it locked
-        self.core.close(seq.sid)
+        if self.cuda:
+            self._release(seq)          # the caller's current stream fences what it locked
+        seq.final_committed = self.core.close(seq.sid)      # (it releases what is still locked, unfenced)
         seq.closed = True
-        self._sync()
+        if self.disk is not None:
+            self._sync()
 
     def _drop(self, page) -> None:
         """Drop a published page (a ``PageView``) as the last tier's eviction

@@ -1257,6 +1257,29 @@ def test_open_refuses_a_priority_out_of_range():
     assert victims.tolist() == pair.call("seq_pages", s)
 
 
+def test_hot_path_answers_are_codes():
+    """The calls of every request answer misuse with codes the Store turns into UsageErrors
+    (no exception on the hot path): a second acquire_now, a commit past the blocks with
+    pages or with keys; close returns the blocks committed. Both sides, the same codes."""
+    from runtime.core import COMMIT_PAST_BLOCKS, COMMIT_PAST_KEYS
+    from runtime.core import model as core_model
+    assert (COMMIT_PAST_BLOCKS, COMMIT_PAST_KEYS) == (core_model.COMMIT_PAST_BLOCKS, core_model.COMMIT_PAST_KEYS)
+    assert len({-1, COMMIT_PAST_BLOCKS, COMMIT_PAST_KEYS}) == 3
+    pair = Pair(2, [FULL], [[0], [0], [-1]], [[4], [4], []])
+    s, _, _ = pair.call("open", [1, 2], 35)
+    assert pair.call("acquire_now", s) == 1
+    assert pair.call("acquire_now", s) == -1                       # already acquired: nothing changed
+    pair.call("extend_now", s, 1)
+    assert pair.call("commit", s, 2) == COMMIT_PAST_BLOCKS         # one block has a page
+    pair.call("extend_now", s, 2)
+    assert pair.call("commit", s, 3) == COMMIT_PAST_KEYS           # three pages, two keys
+    assert pair.call("commit", s, 2) == -1
+    assert pair.call("close", s) == 2
+    t, matched, _ = pair.call("open", [1, 2], 35)
+    assert matched == 2 and pair.call("close", t) == 2             # matched blocks count as committed
+    assert pair.check_result() is None
+
+
 def test_commit_indexes_a_refilled_page():
     """A page refilled by fill_holes in an uncommitted row (its page was found
     corrupt on disk) becomes the block's page at commit. The first cut (and

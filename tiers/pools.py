@@ -15,7 +15,7 @@ from .grouping import GPU, PoolGroupSpec
 
 
 class SlabPool:
-    __slots__ = ("spec", "tensor", "offsets")
+    __slots__ = ("spec", "tensor", "offsets", "slots")
 
     def __init__(self, spec: PoolGroupSpec, slots: int, device: Device) -> None:
         self.spec = spec
@@ -31,10 +31,13 @@ class SlabPool:
             offs.append(o)
             o += size
         self.offsets = tuple(offs)
+        self.slots = slots
 
-    @property
-    def slots(self) -> int:
-        return self.tensor.shape[0]
+    def release(self) -> None:
+        """Let go of the slab (a closed store's pools): its memory goes back now, not when
+        a garbage-collection pass finds the store's reference cycles (views a caller still
+        holds keep their part alive)."""
+        self.tensor = None
 
     def pool_view(self, pool: int) -> torch.Tensor:
         off = self.offsets[pool]

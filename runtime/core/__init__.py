@@ -18,6 +18,6 @@ if os.environ.get("KVTIER_CORE_LIB"):
     sys.modules[_spec.name] = _core
     _spec.loader.exec_module(_core)
 
-from ._core import Core, CoreError, Pages, chain_block_keys  # noqa: E402
+from ._core import COMMIT_PAST_BLOCKS, COMMIT_PAST_KEYS, Core, CoreError, Pages, chain_block_keys  # noqa: E402
 
-__all__ = ["Core", "CoreError", "Pages", "chain_block_keys"]
+__all__ = ["COMMIT_PAST_BLOCKS", "COMMIT_PAST_KEYS", "Core", "CoreError", "Pages", "chain_block_keys"]

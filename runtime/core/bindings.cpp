@@ -28,6 +28,8 @@ using kvtier::Key;
 
 namespace {
 
+constexpr int32_t kCommitPastBlocks = -2;      // commit's answers (model.py: COMMIT_PAST_*)
+constexpr int32_t kCommitPastKeys = -3;
 constexpr bool kLittleEndian = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
 
 struct Pages {
@@ -138,6 +140,8 @@ void check_tier_group(const Core& c, int tier, int group) {
 
 NB_MODULE(_core, m) {
   m.doc() = "kvtier's native control plane: page table, prefix index, slot allocators, LRU queues, decisions";
+  m.attr("COMMIT_PAST_BLOCKS") = kCommitPastBlocks;
+  m.attr("COMMIT_PAST_KEYS") = kCommitPastKeys;
   nb::exception<kvtier::CoreError>(m, "CoreError", PyExc_RuntimeError);
 
   m.def(
@@ -206,7 +210,12 @@ NB_MODULE(_core, m) {
              return nb::make_tuple(r.seq, r.matched, nb::make_tuple(r.by_tier[0], r.by_tier[1], r.by_tier[2], r.by_tier[3]));
            })
       .def("append_keys", [](Core& c, int32_t s, nb::handle keys) { c.append_keys(s, to_keys(keys)); })
-      .def("close", &Core::close_seq)
+      // Returns the blocks the sequence had committed (Python keeps them on the closed sequence).
+      .def("close", [](Core& c, int32_t s) {
+             int32_t k = c.seq(s).committed;
+             c.close_seq(s);
+             return k;
+           })
       .def("num_blocks", [](const Core& c, int32_t s) { return c.seq(s).blocks.size(); })
       .def("committed", [](const Core& c, int32_t s) { return c.seq(s).committed; })
       .def("acquired", [](const Core& c, int32_t s) { return c.seq(s).acquired; })
@@ -220,7 +229,9 @@ NB_MODULE(_core, m) {
              return nb::cast(fences);
            })
       .def("undo_extend", &Core::undo_extend)
-      .def("acquire_now", &Core::acquire_now)
+      // 1: locked; 0: not every needed page is on the GPU and still (the slow path); -1: the
+      // sequence is already acquired (nothing changed). A code, not an exception: it is the hot path.
+      .def("acquire_now", [](Core& c, int32_t s) { return c.seq(s).acquired ? -1 : int(c.acquire_now(s)); })
       .def("acquire_scan", [](Core& c, int32_t s) {
              Ids holes, claims;
              c.acquire_scan(s, holes, claims);
@@ -237,7 +248,14 @@ NB_MODULE(_core, m) {
       .def("release", &Core::release)
       .def("ready_events", &Core::ready_events)
       .def("prefetch_pages", [](Core& c, int32_t s) { return Pages{c.prefetch_pages(s)}; })
-      .def("commit", &Core::commit)
+      // -1: done; >= 0 (nothing changed): the first position whose key is indexed elsewhere or
+      // repeated; kCommitPastBlocks / kCommitPastKeys: n is past the blocks with pages, or with keys.
+      .def("commit", [](Core& c, int32_t s, int32_t n) {
+             const kvtier::Seq& q = c.seq(s);
+             if (n > int32_t(q.blocks.size())) return kCommitPastBlocks;
+             if (n > int32_t(q.keys.size())) return kCommitPastKeys;
+             return c.commit(s, n);
+           })
       .def("page_indices", [](const Core& c, int32_t s, int lc) { return c.page_indices(s, lc); })
       .def("locked_slots", [](const Core& c, int32_t s, int lc) { return c.locked_slots(s, lc); })
       .def("tier_pages", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return Pages{c.tier_pages(tier, g)}; })

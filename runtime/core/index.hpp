@@ -158,6 +158,14 @@ class BlockIndex {
     pages.reserve(n * size_t(n_lcs_));
   }
 
+  // A map that holds n keys without rehashing (4 bytes per entry, touched now): growing
+  // by doubling would rehash every key on the way, each a cache miss on its block.
+  void presize(size_t n) {
+    size_t want = table_.size();
+    while (n * 4 > want * 3) want *= 2;
+    if (want > table_.size()) rehash(want);
+  }
+
  private:
   // A map entry: the block id in the low kIdBits, 6 bits of its key's hash
   // above (not the bits that pick the bucket), so a probe rarely reads a

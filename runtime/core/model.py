@@ -62,6 +62,8 @@ _INT32_MIN = -(1 << 31)
 NOT_QUEUED, IN_ORDER, LATE = 0, 1, 2
 
 
+COMMIT_PAST_BLOCKS = -2     # commit's answers for a count past the sequence's blocks, or keys
+COMMIT_PAST_KEYS = -3
 MAX_HOLDERS = 65535         # the core's 16-bit holder count: a page this shared is not matched again
 
 
@@ -837,9 +839,11 @@ class ModelCore:
         keys = to_keys(keys)
         self._live_seq(s).keys.extend(keys)
 
-    def close(self, s: int) -> None:
-        """Release, then committed pages become droppable and the rest are freed."""
+    def close(self, s: int) -> int:
+        """Release, then committed pages become droppable and the rest are freed.
+        Returns the blocks the sequence had committed."""
         q = self._live_seq(s)
+        committed = q.committed
         self.release(s, 0)
         unheld = []
         for row in reversed(q.pages):           # deepest (oldest stamp) first
@@ -860,6 +864,7 @@ class ModelCore:
             self._unref(b)
         self.seqs[s] = Seq()
         self.free_seqs.append(s)
+        return committed
 
     def num_blocks(self, s: int) -> int:
         return len(self.seqs[s].blocks)
@@ -969,18 +974,20 @@ class ModelCore:
             out.update((b, lc) for b in range(q.committed, n))
         return sorted(out, reverse=True)
 
-    def acquire_now(self, s: int) -> bool:
-        """Lock the needed pages if every one is on the GPU, live and unclaimed."""
+    def acquire_now(self, s: int) -> int:
+        """Lock the needed pages if every one is on the GPU, live and unclaimed:
+        1 done, 0 not (the slow path), -1 the sequence is already acquired."""
         q = self._live_seq(s)
-        _require(not q.acquired, "sequence is already acquired")
+        if q.acquired:
+            return -1
         pages = []
         for b, lc in self._needed(q):
             pid = q.pages[b][lc]
             if pid < 0:
-                return False
+                return 0
             p = self.pt[pid]
             if p.dead or p.tier != GPU or p.claim > 0:     # a copy (claim < 0) reads it in place
-                return False
+                return 0
             pages.append(pid)
         for pid in pages:
             self.pt[pid].locks += 1
@@ -989,7 +996,7 @@ class ModelCore:
             self._touch(pid)
         q.acquired = True
         q.locked = pages
-        return True
+        return 1
 
     def acquire_scan(self, s: int) -> tuple[list[int], list[int]]:
         """(holes, claims): needed (block, lc) pairs (flattened) with no live
@@ -1194,8 +1201,13 @@ class ModelCore:
 
     def commit(self, s: int, n: int) -> int:
         """Publish blocks [0, n). Returns -1, or (nothing changed) the first
-        position whose key is already indexed at another position or repeated."""
+        position whose key is already indexed at another position or repeated,
+        or COMMIT_PAST_BLOCKS / COMMIT_PAST_KEYS."""
         q = self._live_seq(s)
+        if n > len(q.blocks):
+            return COMMIT_PAST_BLOCKS
+        if n > len(q.keys):
+            return COMMIT_PAST_KEYS
         bad = self._commit_conflict(s, n)
         if bad >= 0:
             return bad

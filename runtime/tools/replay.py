@@ -173,10 +173,11 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
         if first:
             res.requests += 1
             res.blocks += len(keys)
-            res.hit_blocks += seq.matched_blocks
-            by_tier = res.hit_by_tier
-            for tier, n in seq.matched_by_tier.items():     # Counter.update costs more than the store's open
-                by_tier[tier] += n
+            if seq.matched_blocks:
+                res.hit_blocks += seq.matched_blocks
+                by_tier = res.hit_by_tier
+                for tier, n in seq.matched_by_tier.items():     # Counter.update costs more than the store's open
+                    by_tier[tier] += n
         try:
             await seq.acquire()
             if writer is not None and verify and seq.matched_blocks:
