@@ -784,3 +784,51 @@ def test_relabel_gives_live_pages_new_records_that_survive_reopen(tmp_path):
         assert np.array_equal(out[0].numpy(), page_bytes(7, 4096)) and np.array_equal(out[1].numpy(), page_bytes(8, 4096))
     finally:
         again.close()
+
+
+# ---- reads beside a write ----------------------------------------------------------------------
+
+def test_reads_go_on_while_a_write_is_in_its_data_phase(tmp_path, monkeypatch):
+    """A write holds the group's lock only around the slot table: a promotion's read of
+    live pages does not wait for another batch's data write and sync. close() waits for
+    the write under way, and both batches are there after a reopen."""
+    import tiers.disk as disk_mod
+    real = disk_mod.pwrite_rows
+    entered, go = threading.Event(), threading.Event()
+
+    def paused(*args):
+        entered.set()
+        assert go.wait(10), "the test never let the write go on"
+        return real(*args)
+
+    tier = open_tier(tmp_path / "d", o_direct="off")
+    write_keys(tier, 0, list(range(10)), list(range(100, 110)))
+    monkeypatch.setattr(disk_mod, "pwrite_rows", paused)
+    writer = threading.Thread(target=write_keys, args=(tier, 0, list(range(20, 30)), list(range(200, 210))))
+    writer.start()
+    assert entered.wait(10)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(read_back(tier, 0, list(range(10)))))
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "a read waited for a write to other slots"
+    assert np.array_equal(got[0].numpy(), rows_for(list(range(100, 110)), 4096).numpy())
+    with pytest.raises(UsageError):                      # the slots being written are not pages yet
+        read_back(tier, 0, [20])
+    closer = threading.Thread(target=tier.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() did not wait for the write under way"
+    go.set()
+    writer.join(10)
+    closer.join(10)
+    assert not writer.is_alive() and not closer.is_alive()
+    monkeypatch.setattr(disk_mod, "pwrite_rows", real)
+    again = open_tier(tmp_path / "d", o_direct="off")
+    try:
+        assert np.array_equal(read_back(again, 0, list(range(20, 30))).numpy(),
+                              rows_for(list(range(200, 210)), 4096).numpy())
+        assert np.array_equal(read_back(again, 0, list(range(10))).numpy(),
+                              rows_for(list(range(100, 110)), 4096).numpy())
+    finally:
+        again.close()

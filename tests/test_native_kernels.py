@@ -1,6 +1,10 @@
-"""tiers._native.copy_rows: the host side of every page move. Errors are typed and
-nothing is written through a silent temporary."""
+"""tiers._native: copy_rows (the host side of every page move) and pread_rows /
+pwrite_rows (the disk tier's page I/O). Errors are typed and nothing is written
+through a silent temporary."""
 from __future__ import annotations
+
+import errno
+import os
 
 import numpy as np
 import pytest
@@ -51,3 +55,58 @@ def test_bad_arguments_are_typed_errors_and_write_nothing():
     with pytest.raises(ValueError, match="overlap"):
         copy_rows(src, None, overlapping, None)
     assert not dst.any()
+
+
+# -- pread_rows / pwrite_rows: a batch of scattered page rows to and from a real file ----------------
+
+def test_row_io_round_trip_with_pad_and_runs(tmp_path):
+    """Rows land at their offsets (runs of adjacent slots and lone ones, each row then
+    zero pad to the stride) and read back bit-exact into another order."""
+    from tiers.native import pread_rows, pwrite_rows
+    stride, src = 64, rows(40)
+    slots = np.array([0, 1, 2, 7, 9, 10, 30], dtype=np.int64)        # runs 0-2, 7, 9-10, 30
+    order = np.array([5, 0, 39, 12, 3, 3, 20], dtype=np.int64)        # a row may go to two slots
+    with open(tmp_path / "seg", "w+b") as f:
+        pwrite_rows(f.fileno(), src, order, slots * stride, stride)
+        raw = np.frombuffer((tmp_path / "seg").read_bytes(), dtype=np.uint8)
+        assert len(raw) == (30 + 1) * stride
+        for s, r in zip(slots, order):
+            assert np.array_equal(raw[s * stride:s * stride + 48], src[r])
+            assert not raw[s * stride + 48:(s + 1) * stride].any()     # the pad is zeros
+        out = np.zeros((7, 48), dtype=np.uint8)
+        back = np.array([6, 5, 4, 3, 2, 1, 0], dtype=np.int64)
+        moved = pread_rows(f.fileno(), out, back, slots * stride, stride)
+        assert moved.tolist() == [48] * 7
+        assert np.array_equal(out[back], src[order])
+
+
+def test_row_io_short_read_at_end_of_file_and_errors(tmp_path):
+    from tiers.native import pread_rows, pwrite_rows
+    stride, src = 64, rows(4)
+    with open(tmp_path / "seg", "w+b") as f:
+        fd = f.fileno()
+        pwrite_rows(fd, src, np.arange(2, dtype=np.int64), np.array([0, 64], dtype=np.int64), stride)
+        f.truncate(64 + 20)                               # the second page is cut after 20 bytes
+        out = np.zeros((3, 48), dtype=np.uint8)
+        moved = pread_rows(fd, out, np.arange(3, dtype=np.int64), np.array([0, 64, 128], dtype=np.int64), stride)
+        assert moved.tolist() == [48, 20, 0]
+        assert np.array_equal(out[0], src[0]) and np.array_equal(out[1, :20], src[1, :20])
+        with pytest.raises(IndexError):
+            pwrite_rows(fd, src, np.array([4], dtype=np.int64), np.array([0], dtype=np.int64), stride)
+        with pytest.raises(ValueError, match="differ in length"):
+            pwrite_rows(fd, src, np.array([0, 1], dtype=np.int64), np.array([0], dtype=np.int64), stride)
+        with pytest.raises(ValueError, match="negative"):
+            pread_rows(fd, out, np.array([0], dtype=np.int64), np.array([-64], dtype=np.int64), stride)
+        with pytest.raises(ValueError, match="stride"):
+            pwrite_rows(fd, src, np.array([0], dtype=np.int64), np.array([0], dtype=np.int64), 16)
+        read_only = np.frombuffer(bytes(48), dtype=np.uint8).reshape(1, 48)
+        with pytest.raises(TypeError):                    # a read-only array cannot take a read
+            pread_rows(fd, read_only, np.array([0], dtype=np.int64), np.array([0], dtype=np.int64), stride)
+    (tmp_path / "ro").write_bytes(b"")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as e:                 # the fd is not open for writing
+            pwrite_rows(fd, src, np.array([0], dtype=np.int64), np.array([0], dtype=np.int64), stride)
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(fd)

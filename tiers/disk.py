@@ -120,7 +120,7 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import xxh64_rows
+from .native import pread_rows, pwrite_rows, xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 
@@ -204,15 +204,12 @@ def _typed(exc: OSError, what: str) -> OSError:
     return TierIOError(exc.errno if exc.errno is not None else errno.EIO, msg)
 
 
-def _row_block(arr: np.ndarray, rows: np.ndarray, g: _Group) -> memoryview | None:
-    """Rows ``rows`` of ``arr`` as one byte buffer when they are consecutive,
-    ascending and packed as the segment holds them (no padding): then a
-    piece moves as one buffer instead of one vector per row."""
-    first, k = int(rows[0]), len(rows)
-    if g.pad or arr.strides[0] != g.slot_bytes or int(rows[-1]) != first + k - 1 or \
-            (k > 2 and not (np.diff(rows) == 1).all()):
-        return None
-    return memoryview(arr[first:first + k]).cast("B")
+def _runs_of(sorted_slots: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) offsets, relative to the first slot, of the runs of adjacent slots."""
+    first = int(sorted_slots[0])
+    cut = np.flatnonzero(np.diff(sorted_slots) != 1) + 1
+    bounds = [0, *cut.tolist(), len(sorted_slots)]
+    return [(int(sorted_slots[lo]) - first, int(sorted_slots[hi - 1]) - first + 1) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
@@ -292,7 +289,7 @@ class _Group:
     """
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
                  "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "meta", "live", "pending", "forgotten",
-                 "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "broken", "pad", "direct",
+                 "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "write_lock", "broken", "pad", "direct",
                  "dir_unsynced")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
@@ -317,7 +314,8 @@ class _Group:
         self.pending_gens: list[np.ndarray] = []
         self.n_pending = 0
         self.n_live = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()          # the slot table, the journal and the segment's size
+        self.write_lock = threading.Lock()    # one write() at a time; taken before `lock`, never after
         self.broken: str | None = None
         self.dir_unsynced = False      # a journal rename awaits its directory fsync
         self.pad = bytes(self.stride - slot_bytes)            # written after each row to fill its stride
@@ -878,7 +876,7 @@ class DiskTier:
         self._closed = True          # new calls fail from here; calls under way finish first (group locks)
         try:
             for g in self.groups:
-                with g.lock:
+                with g.write_lock, g.lock:      # a write under way finishes first
                     if g.broken is None:
                         try:
                             self._checkpoint_locked(g)
@@ -1246,55 +1244,65 @@ class DiskTier:
         arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
         if n == 0:
             return
-        with g.lock:
-            if self._closed:
-                raise StoreClosedError("disk tier is closed")
-            self._usable(g)
-            g.reserve(int(sl.max()) + 1)
-            taken = g.live[sl]
-            if taken.any():
-                raise UsageError(f"slot {int(sl[taken][0])} of disk group {g.index} holds a live page; free it first")
-            t1 = time.perf_counter()
-            hashes = np.zeros(n, dtype=np.uint64)
-            order = np.argsort(sl, kind="stable")
-            sorted_slots = sl[order]
-            self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
-            # 1. frees of the target slots must be durable before their old bytes are overwritten
-            if g.pending[sl].any():
-                self._append(g, g.free_records())
-                g.clear_pending()
+        # One writer per group at a time (write_lock); the group lock only around what reads
+        # the slot table, so that reads of live pages go on while this batch's data is written
+        # and synced: its slots are free, so no read or free touches them meanwhile.
+        with g.write_lock:
+            with g.lock:
+                if self._closed:
+                    raise StoreClosedError("disk tier is closed")
+                self._usable(g)
+                g.reserve(int(sl.max()) + 1)
+                taken = g.live[sl]
+                if taken.any():
+                    raise UsageError(f"slot {int(sl[taken][0])} of disk group {g.index} holds a live page; "
+                                     "free it first")
+                t1 = time.perf_counter()
+                hashes = np.zeros(n, dtype=np.uint64)
+                order = np.argsort(sl, kind="stable")
+                sorted_slots = sl[order]
+                self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
+                # 1. frees of the target slots must be durable before their old bytes are overwritten
+                if g.pending[sl].any():
+                    self._append(g, g.free_records())
+                    g.clear_pending()
             # 2. the data, then a barrier
             try:
                 self._fault("write")
-                pcs = g.pieces(sorted_slots)
+                parallel = g.direct or n * g.stride >= PARALLEL_MIN_BYTES
+                # one piece, one native call: a page-cache batch's runs need no Python each
+                pcs = g.pieces(sorted_slots) if parallel else [(0, n)]
                 tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, order, sorted_slots, hashes, a, b),
-                                           pcs, g.direct or n * g.stride >= PARALLEL_MIN_BYTES))
+                                           pcs, parallel))
                 if self.fsync:
                     os.fdatasync(g.seg_fd)
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
             # 3. the records (with any other pending frees of the group), then a barrier
-            out = recs.copy()
-            out["kind"] = WRITE
-            out["slot"] = sl
-            gen = self._take_gens(n)
-            out["gen"] = np.arange(gen, gen + n, dtype=np.uint64)
-            out["csum"] = hashes ^ journal.identity(out, self._fp)
-            self._append(g, g.free_records(), out)
-            g.clear_pending()
-            journal.put(g.meta, sl, out)
-            g.live[sl] = True
-            g.forgotten[sl] = False
-            g.n_live += n
-            t3 = time.perf_counter()
-            self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
-                            io_seconds=t3 - t1)
-            self._maybe_checkpoint(g)
+            with g.lock:
+                self._usable(g)             # a relabel may have broken the group meanwhile
+                out = recs.copy()
+                out["kind"] = WRITE
+                out["slot"] = sl
+                gen = self._take_gens(n)
+                out["gen"] = np.arange(gen, gen + n, dtype=np.uint64)
+                out["csum"] = hashes ^ journal.identity(out, self._fp)
+                self._append(g, g.free_records(), out)
+                g.clear_pending()
+                journal.put(g.meta, sl, out)
+                g.live[sl] = True
+                g.forgotten[sl] = False
+                g.n_live += n
+                t3 = time.perf_counter()
+                self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
+                                io_seconds=t3 - t1)
+                self._maybe_checkpoint(g)
 
     def _write_piece(self, g: _Group, arr: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
                      hashes: np.ndarray, a: int, b: int) -> float:
-        """Checksum and write rows ``order[a:b]`` (adjacent slots ``sorted_slots[a:b]``) with one
-        pwritev; returns the seconds spent hashing. Runs on the I/O pool (hashing overlaps other I/O)."""
+        """Checksum and write rows ``order[a:b]`` to slots ``sorted_slots[a:b]`` (adjacent when it bounces
+        through an aligned buffer; else one native call, a pwritev per run of adjacent slots); returns
+        the seconds spent hashing. Runs on the I/O pool (hashing overlaps other I/O)."""
         off = int(sorted_slots[a]) * g.stride
         rows = order[a:b]
         k = b - a
@@ -1314,16 +1322,7 @@ class DiskTier:
         t = time.perf_counter()
         hashes[rows] = xxh64_rows(arr, rows)
         tck = time.perf_counter() - t
-        block = _row_block(arr, rows, g)
-        if block is not None:       # the rows lie as they go on disk: one buffer
-            bufs = [block]
-        else:
-            bufs = []
-            for i in rows.tolist():
-                bufs.append(arr[i])
-                if g.pad:
-                    bufs.append(g.pad)
-        _pwritev_all(g.seg_fd, bufs, off)
+        pwrite_rows(g.seg_fd, arr, rows, sorted_slots[a:b] * g.stride, g.stride)
         return tck
 
     def _expected(self, g: _Group, slots: np.ndarray) -> np.ndarray:
@@ -1333,8 +1332,9 @@ class DiskTier:
 
     def _read_piece(self, g: _Group, out: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
                     a: int, b: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """Read slots ``sorted_slots[a:b]`` into rows ``order[a:b]`` and verify them; returns
-        (rows read short, rows failing their checksum, seconds spent hashing)."""
+        """Read slots ``sorted_slots[a:b]`` (adjacent when it bounces; else any, a preadv per run in one
+        native call) into rows ``order[a:b]`` and verify them; returns (rows read short, rows failing
+        their checksum, seconds spent hashing)."""
         off = int(sorted_slots[a]) * g.stride
         rows = order[a:b]
         k = b - a
@@ -1352,23 +1352,18 @@ class DiskTier:
             finally:
                 self._bounce_put(bounce)
         else:
-            block = _row_block(out, rows, g)
-            if block is not None:       # the rows lie as they are on disk: one buffer
-                bufs = [block]
-            else:
-                bufs = []
-                pad = memoryview(bytearray(len(g.pad))) if g.pad else None   # per call: pieces run in parallel
-                for i in rows.tolist():
-                    bufs.append(out[i])
-                    if pad is not None:
-                        bufs.append(pad)
-            got = _preadv_all(g.read_fd, bufs, off)
+            moved = pread_rows(g.read_fd, out, rows, sorted_slots[a:b] * g.stride, g.stride)
             if g.direct and not self.o_direct_reads:
                 # cold pages just promoted: do not keep a second copy in the page cache
-                os.posix_fadvise(g.read_fd, off, k * g.stride, os.POSIX_FADV_DONTNEED)
+                for lo, hi in _runs_of(sorted_slots[a:b]):
+                    os.posix_fadvise(g.read_fd, off + lo * g.stride, (hi - lo) * g.stride, os.POSIX_FADV_DONTNEED)
             t = time.perf_counter()
             hashes = xxh64_rows(out, rows)
             tck = time.perf_counter() - t
+            got = np.maximum(moved, 0)
+            short = got < g.slot_bytes
+            bad = (hashes != expected) & ~short
+            return rows[short], rows[bad], tck
         short = np.arange(k) * g.stride + g.slot_bytes > got
         bad = (hashes != expected) & ~short
         return rows[short], rows[bad], tck
@@ -1384,9 +1379,10 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             self._fault("read")
-            pcs = g.pieces(sorted_slots, split=self.o_direct_reads)
+            parallel = self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES
+            pcs = g.pieces(sorted_slots, split=self.o_direct_reads) if parallel else [(0, n)]
             for sh, bd, t in self._run_pieces(lambda a, b: self._read_piece(g, out, order, sorted_slots, a, b),
-                                              pcs, self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES):
+                                              pcs, parallel):
                 short.append(slots[sh])
                 bad.append(slots[bd])
                 tck += t

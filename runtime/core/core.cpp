@@ -274,7 +274,6 @@ OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
   if (!free_seqs_.empty()) {
     s = free_seqs_.back();
     free_seqs_.pop_back();
-    seqs_[s] = Seq();
   } else {
     s = int32_t(seqs_.size());
     seqs_.emplace_back();
@@ -285,7 +284,8 @@ OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
   OpenResult r{s, 0, {0, 0, 0, 0}};
   counters_.lookup_blocks += int64_t(keys.size());
   if (!shares_nothing_) {
-    Ids path;
+    Ids& path = open_path_;
+    path.clear();
     int32_t parent = -1;
     for (size_t i = 0; i < keys.size(); ++i) {
       int32_t b = index_.find(keys[i]);
@@ -302,8 +302,12 @@ OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
     int32_t k = int32_t(path.size());
     while (k > 0 && !reusable(path, k)) --k;
     path.resize(size_t(k));
-    Ids held;
+    Ids& held = open_held_;
+    held.clear();
     int n = n_lcs();
+    q.blocks.reserve(keys.size());
+    q.pages.reserve(keys.size() * size_t(n));
+    q.recompute.reserve(keys.size() * size_t(n));
     for (int32_t b : path) {
       q.blocks.push_back(b);
       index_.ref(b);
@@ -371,7 +375,7 @@ void Core::close_seq(int32_t s) {
   }
   queue_all(unheld);
   for (int32_t b : q.blocks) index_.unref(b);
-  seqs_[s] = Seq();
+  q.reset();
   free_seqs_.push_back(s);
 }
 
@@ -433,13 +437,22 @@ Ids Core::place_extension(int32_t s, int32_t n, std::vector<Ids>& slots) {
 
 bool Core::extend_now(int32_t s, int32_t n, Ids& fences) {
   live_seq(s);
-  std::vector<int32_t> need(allocs_[GPU].size(), 0);
-  for (int lc = 0; lc < n_lcs(); ++lc) need[group_of_[GPU][lc]] += n;
-  for (size_t g = 0; g < need.size(); ++g)
-    if (need[g] > allocs_[GPU][g].free()) return false;
-  std::vector<Ids> slots(need.size());
-  for (size_t g = 0; g < need.size(); ++g)
-    if (need[g]) allocs_[GPU][g].allocate(need[g], slots[g]);
+  std::vector<Ids>& slots = ext_slots_;
+  slots.resize(allocs_[GPU].size());
+  for (Ids& v : slots) v.clear();
+  int32_t sole = sole_group_[GPU];
+  if (sole != kNoSole) {                          // every lc in one group: n * n_lcs slots of it
+    int32_t need = n * n_lcs();
+    if (need > allocs_[GPU][sole].free()) return false;
+    allocs_[GPU][sole].allocate(need, slots[sole]);
+  } else {
+    std::vector<int32_t> need(allocs_[GPU].size(), 0);
+    for (int lc = 0; lc < n_lcs(); ++lc) need[group_of_[GPU][lc]] += n;
+    for (size_t g = 0; g < need.size(); ++g)
+      if (need[g] > allocs_[GPU][g].free()) return false;
+    for (size_t g = 0; g < need.size(); ++g)
+      if (need[g]) allocs_[GPU][g].allocate(need[g], slots[g]);
+  }
   fences = place_extension(s, n, slots);
   return true;
 }
@@ -601,9 +614,18 @@ void Core::release(int32_t s, int32_t event) {
   Seq& q = live_seq(s);
   if (!q.acquired) return;
   q.acquired = false;
-  Ids locked;
-  locked.swap(q.locked);
-  std::stable_sort(locked.begin(), locked.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; });
+  Ids& locked = q.locked;                 // emptied at the end (keeping its room)
+  auto older = [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; };
+  if (locked.size() <= 64) {              // stable, and without stable_sort's buffer allocation
+    for (size_t i = 1; i < locked.size(); ++i) {
+      int32_t id = locked[i];
+      size_t j = i;
+      for (; j > 0 && older(id, locked[j - 1]); --j) locked[j] = locked[j - 1];
+      locked[j] = id;
+    }
+  } else {
+    std::stable_sort(locked.begin(), locked.end(), older);
+  }
   for (int32_t id : locked) {
     Page& p = pt_[id];
     if (event && p.tier == GPU) p.ready = event;
@@ -616,6 +638,7 @@ void Core::release(int32_t s, int32_t event) {
   }
   queue_all(locked);
   for (int32_t id : locked) maybe_recycle(id);
+  locked.clear();
 }
 
 Ids Core::needed_pages(const Seq& q) const {
@@ -655,8 +678,8 @@ int32_t Core::commit_conflict(int32_t s, int32_t n, bool& all_new) {
   bool known = false;
   for (int32_t i = q.committed; i < n && !known; ++i) known = index_.find(q.keys[i]) >= 0;
   if (!known) {
-    std::vector<uint64_t> hashes;
-    hashes.reserve(size_t(n - q.committed));
+    std::vector<uint64_t>& hashes = commit_hashes_;
+    hashes.clear();
     for (int32_t i = q.committed; i < n; ++i) hashes.push_back(q.keys[i].hash());
     std::sort(hashes.begin(), hashes.end());
     if (std::adjacent_find(hashes.begin(), hashes.end()) == hashes.end()) {

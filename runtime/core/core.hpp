@@ -54,6 +54,26 @@ struct Seq {
   uint8_t priority = 35;
   bool acquired = false;
   bool in_use = false;
+
+  // Back to a free row, keeping the arrays' room for the next sequence opened in it (a
+  // request would otherwise regrow each one from nothing); rows past kKeepCells let go.
+  void reset() {
+    static constexpr size_t kKeepCells = 1 << 12;
+    if (pages.capacity() > kKeepCells || keys.capacity() > kKeepCells) {
+      *this = Seq();
+      return;
+    }
+    keys.clear();
+    blocks.clear();
+    pages.clear();
+    recompute.clear();
+    locked.clear();
+    tokens.clear();
+    committed = 0;
+    priority = 35;
+    acquired = false;
+    in_use = false;
+  }
 };
 
 // The outcome of a batch of moves or drops: claims to settle, slots handed over.
@@ -364,6 +384,10 @@ class Core {
   std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
   Ids relabels_;                                       // pages to relabel (filtered at take)
   mutable std::vector<int32_t> scratch_;
+  // Per-call scratch of the request path, kept to spare an allocation per call.
+  Ids open_path_, open_held_;
+  std::vector<Ids> ext_slots_;                         // extend_now: new slots per GPU group
+  std::vector<uint64_t> commit_hashes_;
   std::vector<RecoveredRecord> pending_records_;
   KvEventLog kv_events_;
   KvEventFormat kv_format_;

@@ -168,7 +168,7 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
             progress(1)
 
     async def serve(req: TraceRequest, first: bool) -> None:
-        keys = list(req.hash_ids)
+        keys = req.hash_ids
         seq = await store.open_sequence(block_keys=keys)
         if first:
             res.requests += 1
@@ -202,13 +202,20 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
     each = _each(requests)
     try:
         if concurrency <= 1 and not honor_timestamps:
-            async for req in each:              # one at a time: nothing to wait for on OutOfPagesError
+            # one at a time: nothing to wait for on OutOfPagesError (a list skips the async iterator)
+            async def alone(req: TraceRequest) -> None:
                 try:
                     await serve(req, first=True)
                 except OutOfPagesError:
                     res.errors["OutOfPagesError"] += 1
                 if progress is not None:
                     progress(1)
+            if isinstance(requests, AsyncIterable):
+                async for req in each:
+                    await alone(req)
+            else:
+                for req in requests:
+                    await alone(req)
         else:
             # at most `concurrency` requests in flight: the next starts when one ends (no task waits
             # in a queue of its own, so a finishing request costs O(1), not a pass over all of them)

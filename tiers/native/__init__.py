@@ -1,6 +1,6 @@
 """The data plane's native kernels (``tiers._native``, built from this
-folder's C++ by the package's own build): batched page checksums and row
-copies, each one call per batch with the GIL released.
+folder's C++ by the package's own build): batched page checksums, row
+copies and row I/O, each one call per batch with the GIL released.
 
 ``KVTIER_NATIVE_LIB`` names another build of the extension to load instead
 (scripts/sanitize.sh points it at an AddressSanitizer build).
@@ -18,6 +18,6 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
-from tiers._native import copy_rows, xxh64, xxh64_rows  # noqa: E402
+from tiers._native import copy_rows, pread_rows, pwrite_rows, xxh64, xxh64_rows  # noqa: E402
 
-__all__ = ["copy_rows", "xxh64", "xxh64_rows"]
+__all__ = ["copy_rows", "pread_rows", "pwrite_rows", "xxh64", "xxh64_rows"]

@@ -5,10 +5,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <vector>
 
+#include "row_io.hpp"
 #include "xxh64.hpp"
 
 namespace nb = nanobind;
@@ -96,6 +100,68 @@ void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optio
   for (size_t i = 0; i < n; ++i) std::memmove(d + di[i] * ds, s + si[i] * ss, width);
 }
 
+// The checked arguments of pread_rows / pwrite_rows as a RowIo (rows and offsets copied to
+// contiguous vectors, so the GIL-free loop reads plain arrays).
+struct RowIoArgs {
+  kvtier::RowIo io{};
+  std::vector<int64_t> rows, offsets;
+  std::vector<uint8_t> pad;
+
+  RowIoArgs(uint8_t* base, size_t n_rows, int64_t row_stride, size_t width, const Index& index,
+            const Index& offs, size_t stride, const char* what) {
+    if (index.shape(0) != offs.shape(0)) throw nb::value_error((std::string(what) + ": rows and offsets differ in length").c_str());
+    if (stride < width || stride == 0) throw nb::value_error((std::string(what) + ": the stride is smaller than a row").c_str());
+    size_t n = index.shape(0);
+    rows.resize(n);
+    offsets.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      rows[i] = index.data()[int64_t(i) * index.stride(0)];
+      offsets[i] = offs.data()[int64_t(i) * offs.stride(0)];
+      if (rows[i] < 0 || size_t(rows[i]) >= n_rows) throw nb::index_error((std::string(what) + ": row out of range").c_str());
+      if (offsets[i] < 0) throw nb::value_error((std::string(what) + ": a negative file offset").c_str());
+    }
+    pad.assign(stride - width, 0);
+    io = {base, row_stride, width, stride, rows.data(), offsets.data(), n, pad.data()};
+  }
+};
+
+[[noreturn]] void raise_errno(int err, const char* what) {
+  errno = err;
+  PyErr_SetFromErrnoWithFilename(PyExc_OSError, what);
+  throw nb::python_error();
+}
+
+// out[index[i]] <- the file's `width` bytes at offsets[i]; returns the bytes read per page
+// (short only past the end of the file). One preadv per run of adjacent slots, GIL released.
+nb::object pread_rows(int fd, MutRows out, Index index, Index offsets, size_t stride) {
+  if (out.shape(1) && out.stride(1) != 1) throw nb::value_error("pread_rows: each row's bytes must be contiguous");
+  RowIoArgs a(out.data(), out.shape(0), out.stride(0), out.shape(1), index, offsets, stride, "pread_rows");
+  nb::object moved = nb::module_::import_("numpy").attr("zeros")(a.io.n, "dtype"_a = "int64");
+  int64_t* m = nb::cast<nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>>(moved).data();
+  int err;
+  {
+    nb::gil_scoped_release nogil;
+    err = kvtier::move_rows(a.io, fd, false, m);
+  }
+  if (err) raise_errno(err, "pread_rows");
+  return moved;
+}
+
+// The file's bytes at offsets[i] <- rows[index[i]] (each followed by stride - width zero
+// bytes). One pwritev per run of adjacent slots, GIL released; OSError on failure.
+void pwrite_rows(int fd, Rows rows, Index index, Index offsets, size_t stride) {
+  if (rows.shape(1) && rows.stride(1) != 1) throw nb::value_error("pwrite_rows: each row's bytes must be contiguous");
+  RowIoArgs a(const_cast<uint8_t*>(rows.data()), rows.shape(0), rows.stride(0), rows.shape(1), index, offsets, stride,
+              "pwrite_rows");
+  std::vector<int64_t> moved(a.io.n);
+  int err;
+  {
+    nb::gil_scoped_release nogil;
+    err = kvtier::move_rows(a.io, fd, true, moved.data());
+  }
+  if (err) raise_errno(err, "pwrite_rows");
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -107,6 +173,12 @@ NB_MODULE(_native, m) {
   m.def("copy_rows", &copy_rows, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
         "dst_index"_a.noconvert().none(),
         "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row, GIL released.");
+  m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a, "offsets"_a, "stride"_a,
+        "out[index[i]] <- the row at file offset offsets[i]; bytes read per page (int64 array). One preadv per "
+        "run of adjacent offsets (each row then stride - width bytes of pad), GIL released.");
+  m.def("pwrite_rows", &pwrite_rows, "fd"_a, "rows"_a, "index"_a, "offsets"_a, "stride"_a,
+        "The file at offsets[i] <- rows[index[i]] and stride - width zero bytes. One pwritev per run of "
+        "adjacent offsets, GIL released; OSError (with errno) on failure.");
   m.def("xxh64", [](nb::bytes data, uint64_t seed) { return kvtier::xxh64(data.c_str(), data.size(), seed); },
         "data"_a, "seed"_a = 0, "XXH64 of a bytes object.");
 }
