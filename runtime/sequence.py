@@ -135,15 +135,20 @@ class Sequence:
         """Bring every page the next step needs to the GPU, locked and ready.
         On CUDA, ``stream`` (default: the current stream) is also made to wait
         on the pages' ready events: those of other sequences' kernels too."""
-        self._check_open()
         store = self.store
+        if self.closed or store.closed:
+            self._check_open()
         if stream is not None:
             store._check_stream(stream)
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
-        if not store._acquire_now(self):
+        done = store.core.acquire_now(self.sid)     # the common case: every page on the GPU, still
+        if done < 0:
+            raise UsageError("sequence is already acquired")
+        if not done:
             await store._run_exclusive(self, store._acquire(self), store._undo_acquire)
-        store._stream_wait(self, stream)       # on CUDA, the current stream when none is given
+        if stream is not None or store.cuda:
+            store._stream_wait(self, stream)    # on CUDA, the current stream when none is given
 
     def prefetch(self) -> None:
         """Start bringing the pages the next ``acquire`` needs to the GPU in
@@ -172,12 +177,18 @@ class Sequence:
 
     def commit(self, num_blocks: int) -> None:
         """Publish the first ``num_blocks`` full blocks for reuse."""
-        self._check_open()
+        store = self.store
+        if self.closed or store.closed:
+            self._check_open()
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if self.busy:
             raise UsageError("commit while an acquire or extend of this sequence is still running")
-        self.store._commit(self, num_blocks)        # past the blocks with pages or keys: UsageError
+        bad = store.core.commit(self.sid, num_blocks)
+        if bad != -1:
+            store._commit_refused(self, num_blocks, bad)
+        if store.disk is not None:
+            store._sync()
 
     async def _settle(self) -> None:
         """Wait out an acquire/extend whose caller was cancelled."""
@@ -189,12 +200,17 @@ class Sequence:
         """Unlock: pages become HELD (demotable, never dropped). On CUDA the
         work queued so far on ``stream`` (default: the current stream) fences
         the pages: no move copies them before it is done."""
-        self._check_open()
+        store = self.store
+        if self.closed or store.closed:
+            self._check_open()
         if stream is not None:
-            self.store._check_stream(stream)
+            store._check_stream(stream)
         if self.busy:
             await self._settle()
-        self.store._release(self, stream)
+        if stream is None and not store.cuda:
+            store.core.release(self.sid, 0)         # nothing to fence the pages with
+        else:
+            store._release(self, stream)
 
     async def close(self) -> None:
         """Committed pages become DROPPABLE; the others are freed. Waits for a

@@ -454,15 +454,6 @@ class Store:
         self._sync()
 
     # -- acquire / release -------------------------------------------------------------------
-    def _acquire_now(self, seq: Sequence) -> bool:
-        """The common case, without a task: every needed page is on the GPU
-        and still. Locks them and returns True; else False (slow path).
-        (The sequence checked that it and the store are open.)"""
-        done = self.core.acquire_now(seq.sid)
-        if done < 0:
-            raise UsageError("sequence is already acquired")
-        return done > 0
-
     async def _acquire(self, seq: Sequence) -> Pages:
         self._check()
         if seq.acquired:
@@ -575,17 +566,14 @@ class Store:
                 stream.wait_event(ev._event)
 
     # -- commit / close ------------------------------------------------------------------------
-    def _commit(self, seq: Sequence, n: int) -> None:
-        bad = self.core.commit(seq.sid, n)
-        if bad != -1:
-            if bad >= 0:
-                raise UsageError(f"block key {seq.keys[bad]!r} at position {bad} is already indexed at "
-                                 "another position")
-            if bad == COMMIT_PAST_BLOCKS:
-                raise UsageError(f"cannot commit {n} blocks: only {self.core.num_blocks(seq.sid)} have pages")
-            raise UsageError(f"cannot commit {n} blocks: only {len(seq.keys)} have keys (append the tokens first)")
-        if self.disk is not None:
-            self._sync()
+    def _commit_refused(self, seq: Sequence, n: int, code: int) -> None:
+        """The UsageError for a commit the core refused (``code``: its answer; nothing changed)."""
+        if code >= 0:
+            raise UsageError(f"block key {seq.keys[code]!r} at position {code} is already indexed at "
+                             "another position")
+        if code == COMMIT_PAST_BLOCKS:
+            raise UsageError(f"cannot commit {n} blocks: only {self.core.num_blocks(seq.sid)} have pages")
+        raise UsageError(f"cannot commit {n} blocks: only {len(seq.keys)} have keys (append the tokens first)")
 
     def _close_sequence(self, seq: Sequence) -> None:
         if self.cuda:

@@ -15,6 +15,7 @@ reference measured in the same run (never a timed test):
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -60,6 +61,7 @@ async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequenc
     ours, res = 0.0, None
     for _ in range(rounds):
         async with Store.open(_config(tiers, tempfile.mkdtemp(dir=directory), fsync)) as store:
+            gc.collect()
             r = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
         if r.blocks / r.seconds > ours:
             ours, res = r.blocks / r.seconds, r
