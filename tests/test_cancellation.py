@@ -123,3 +123,41 @@ async def test_drain_after_close_returns_even_if_a_reclaimer_was_woken(tmp_path)
     for r in store.reclaimers.values():
         r.wake.set()
     await asyncio.wait_for(store.drain(), 2)
+
+
+async def test_a_long_sequence_cancelled_at_its_yield_changed_nothing():
+    """A call on a sequence of LONG_BLOCKS or more yields to the loop before its core call, so
+    one long request does not hold the loop through all its operations; a caller cancelled at
+    that yield has changed nothing (and the sequence goes on)."""
+    from runtime.sequence import LONG_BLOCKS
+    n = LONG_BLOCKS + 8
+    async with Store.open(config(gpu=n, tpb=1, layers=None)) as store:
+        seq = await store.open_sequence(block_keys=list(range(1, n + 1)))
+        for call in (lambda: seq.extend(n), lambda: seq.acquire()):
+            task = asyncio.ensure_future(call())
+            await asyncio.sleep(0)                # the task runs to its yield
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert seq.num_blocks == 0 and not seq.acquired and not seq.busy
+        await seq.extend(n)
+        seq.commit(n)
+        await seq.acquire()
+        task = asyncio.ensure_future(seq.release())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seq.acquired                       # still locked: the release never ran
+        await seq.release()
+        task = asyncio.ensure_future(seq.close())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not seq.closed
+        await seq.close()
+        assert store.stats()["tiers"]["gpu"]["groups"][0]["locked"] == 0
+        again = await store.open_sequence(block_keys=list(range(1, n + 1)))
+        assert again.matched_blocks == n
+        await again.close()
