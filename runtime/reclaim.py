@@ -67,24 +67,35 @@ class Reclaimer:
 
     async def _refill(self, store: "Store") -> None:
         core, tier, group = store.core, self.tier, self.group
-        while core.free(tier, group) < self.high and not store.closed:
-            want = min(self.high - core.free(tier, group), MAX_BATCH, core.queue_len(tier, group))
+        key = (tier, group)
+        refilling = store.refilling
+        while core.free(tier, group) + refilling.get(key, 0) < self.high and not store.closed:
+            want = min(self.high - core.free(tier, group) - refilling.get(key, 0), MAX_BATCH,
+                       core.queue_len(tier, group))
             if want <= 0:
                 return
             victims = store._pick_victims(tier, group, want, raise_=False)
             if victims is None:
                 return
+            n = len(victims)
+            store.refilling_add(key, n)
             task = store._spawn(store._evict(self.tier, victims))
+
+            def settled(t: asyncio.Task, n: int = n) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    core.give_back(tier, group, t.result())     # each with the fence of the copy that read it
+                store.refilling_add(key, -n)
             try:
-                slots = await asyncio.shield(task)
-            except asyncio.CancelledError:      # the store is closing: the slots still go back
-                task.add_done_callback(lambda t: t.cancelled() or t.exception()
-                                       or core.give_back(tier, group, t.result()))
+                await asyncio.shield(task)
+            except asyncio.CancelledError:      # the store is closing: the slots still go back (settled)
+                task.add_done_callback(settled)
                 raise
             except OutOfPagesError:
+                settled(task)
                 return                          # colder tiers are full of held pages: requests evict on demand
             except Exception as exc:            # noqa: BLE001 - the reclaimer must outlive any one failure
+                settled(task)
                 log.warning("background demotion from tier %d failed: %r", self.tier, exc)
                 await asyncio.sleep(0.05)
                 return
-            core.give_back(tier, group, slots)      # each with the fence of the copy that read it
+            settled(task)

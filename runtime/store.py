@@ -82,6 +82,10 @@ class Store:
         self.claims = ClaimTable()
         self._tasks: set[asyncio.Task] = set()
         self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
+        # (tier, group) -> slots that demotions in flight will give back to the free pool (the
+        # reclaimer's batches and on-demand evictions' extra): what refills the reserve already
+        self.refilling: dict[tuple[int, int], int] = {}
+        self._refill_waiters: dict[tuple[int, int], asyncio.Future] = {}
         self.core: Core | None = None
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
@@ -646,30 +650,60 @@ class Store:
         if n <= free:
             return core.allocate(tier, group, n)
         got = core.allocate(tier, group, free)
+        key = (tier, group)
         try:
-            # evicting on demand: refill the background reserve in the same batch
-            extra = reclaimer.high if reclaimer is not None else 0
             while True:
-                # pages the background demotion or a write-through copy has claimed are not
-                # evictable, but they are again when it finishes: wait for that rather than fail
-                wt = self.write_through if tier != DISK else None
-                busy = reclaimer.idle if reclaimer is not None and reclaimer.busy else \
-                    wt.idle if wt is not None and not wt.idle.is_set() else None
-                victims = self._pick_victims(tier, group, n - len(got), extra, raise_=busy is None)
-                if victims is not None:
-                    break
-                await busy.wait()
+                short = n - len(got)
+                if self.refilling.get(key, 0) >= short:
+                    # demotions in flight will give back enough: wait for them rather than run a
+                    # small batch of our own (concurrent requests would each run one)
+                    await self._refill_landed(key)
+                else:
+                    # evicting on demand: refill the background reserve in the same batch, less
+                    # what demotions in flight will give back
+                    extra = max(0, reclaimer.high - self.refilling.get(key, 0)) if reclaimer is not None else 0
+                    # pages the background demotion or a write-through copy has claimed are not
+                    # evictable, but they are again when it finishes: wait for that rather than fail
+                    wt = self.write_through if tier != DISK else None
+                    busy = reclaimer.idle if reclaimer is not None and reclaimer.busy else \
+                        wt.idle if wt is not None and not wt.idle.is_set() else None
+                    victims = self._pick_victims(tier, group, short, extra, raise_=busy is None)
+                    if victims is None:
+                        await busy.wait()
+                    else:
+                        spare = len(victims) - short
+                        self.refilling_add(key, spare)
+                        try:
+                            freed = await self._evict(tier, victims)
+                            if len(freed) > short:      # back to the pool, each with the fence of its last reader
+                                core.give_back(tier, group, freed[short:])
+                        finally:
+                            self.refilling_add(key, -spare)
+                        return got + freed[:short]
                 got += core.allocate(tier, group, min(core.free(tier, group), n - len(got)))
                 if len(got) == n:
                     return got
-            freed = await self._evict(tier, victims)
         except BaseException:
             core.give_back(tier, group, got)
             raise
-        need = n - len(got)
-        if len(freed) > need:                   # back to the pool, each with the fence of its last reader
-            core.give_back(tier, group, freed[need:])
-        return got + freed[:need]
+
+    def refilling_add(self, key: tuple[int, int], n: int) -> None:
+        """Count ``n`` more (or, negative, fewer) slots that demotions in flight will give back
+        to (tier, group)'s pool; when it falls, wake the requests waiting for them."""
+        if not n:
+            return
+        self.refilling[key] = self.refilling.get(key, 0) + n
+        if n < 0:
+            fut = self._refill_waiters.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    async def _refill_landed(self, key: tuple[int, int]) -> None:
+        """Wait until a demotion in flight for (tier, group) lands (or fails)."""
+        fut = self._refill_waiters.get(key)
+        if fut is None or fut.done():
+            fut = self._refill_waiters[key] = asyncio.get_running_loop().create_future()
+        await asyncio.shield(fut)       # a cancelled waiter leaves the others' future alone
 
     def _pick_victims(self, tier: int, group: int, need: int, extra: int = 0, raise_: bool = True) -> Pages | None:
         """Claim ``need`` victims plus up to ``extra`` more if the queue has

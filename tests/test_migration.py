@@ -244,3 +244,34 @@ async def test_prefetch_brings_pages_back_before_acquire():
         await other.close()
         await store.drain()
         store.check_consistency()
+
+
+async def test_concurrent_demand_evictions_do_not_overshoot_the_reserve():
+    """Requests short of slots at once used to each evict their need plus the whole reserve,
+    leaving far more free slots than the reserve (free slots hold no page: lost hits, and
+    more moves). Now a request waits for demotions in flight that will give back enough,
+    and the extra refills the reserve once."""
+    cfg = config(gpu=64, host=512, tpb=1)
+    cfg.gpu.reserve = 0.125                     # keep 8 free, refill to 16
+    async with Store.open(cfg) as store:
+        for i in range(8):
+            seq = await store.open_sequence(block_keys=list(range(i * 100, i * 100 + 8)))
+            await seq.extend(8)
+            seq.commit(8)
+            await seq.close()
+        await store.drain()
+        free = store.stats()["tiers"]["gpu"]["groups"][0]["free"]
+        before = store.stats()["moves"]["gpu->host"]["pages"]
+
+        async def request(j: int) -> None:
+            seq = await store.open_sequence(block_keys=list(range(10_000 + 10 * j, 10_004 + 10 * j)))
+            await seq.extend(4)
+            seq.commit(4)
+            await seq.close()
+        await asyncio.gather(*(request(j) for j in range(16)))     # 64 new pages, 16 requests at once
+        await store.drain()
+        st = store.stats()
+        moved = st["moves"]["gpu->host"]["pages"] - before
+        assert st["tiers"]["gpu"]["groups"][0]["free"] <= 16
+        assert moved <= 64 - free + 16, moved        # what the requests took, and one refill (76 before)
+        store.check_consistency()
