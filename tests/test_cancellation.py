@@ -116,7 +116,9 @@ async def test_start_after_close_is_refused_and_holds_no_lock(tmp_path):
 async def test_drain_after_close_returns_even_if_a_reclaimer_was_woken(tmp_path):
     """A reclaimer stopped by close() keeps its wake flag if it was set just before: drain() must
     not wait for a task that no longer runs (found in review)."""
-    store = await Store.open(config(gpu=64, host=64))
+    cfg = config(gpu=64, host=64)
+    cfg.gpu.reserve = 0.05                  # a reserve of 3 slots: the GPU group gets a reclaimer
+    store = await Store.open(cfg)
     await fill(store, toks(1, 4))
     await store.close()
     assert store.reclaimers

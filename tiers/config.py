@@ -63,7 +63,7 @@ class TierConfig:
 
     quota: int | str | None = None
     slots: int | None = None
-    reserve: float = 0.03   # share of each group kept free by background demotion (not in the last tier)
+    reserve: float = 0.01   # share of each group kept free by background demotion (not in the last tier)
 
     def resolve(self, field: str) -> None:
         if self.quota is None and self.slots is None:
