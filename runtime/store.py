@@ -153,12 +153,15 @@ class Store:
             self._warn_small_write_through_disk()
         if self.remote is not None:
             await self.remote.open()            # an unreachable server is a tier with its circuit open
+        # A free slot holds no page, so the reserve costs hits in proportion to the whole store:
+        # a group's reserve is its share of its slots, but of no more than a third of the store's.
+        third = sum(self.core.capacity(t, g) for t in self.tier_ids for g in range(self.core.n_groups(t))) / 3
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
                 continue
             for g in range(self.core.n_groups(t)):
-                low = int(self.core.capacity(t, g) * cfg.reserve)
+                low = int(min(self.core.capacity(t, g), third) * cfg.reserve)
                 if low > 0:
                     r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low)
                     r.start()
