@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 # A call on a sequence this long yields to the event loop once before its core call (which
 # runs a few hundred microseconds per thousand blocks): one long request's operations do not
-# run back to back without a yield. Before, not after, so a caller cancelled there has
-# changed nothing.
+# run back to back without a yield. Before, so a caller cancelled there has changed nothing;
+# close() yields after instead, so that a cancelled close still closes (nothing leaks).
 LONG_BLOCKS = 1024
 
 
@@ -126,11 +126,11 @@ class Sequence:
 
     async def extend(self, num_blocks: int) -> None:
         """New GPU pages for ``num_blocks`` blocks after the current ones."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if len(self.keys) >= LONG_BLOCKS or num_blocks >= LONG_BLOCKS:
             await asyncio.sleep(0)
         self._check_open()
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-            raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
         fences = self.store._extend_now(self, num_blocks)
@@ -195,7 +195,7 @@ class Sequence:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if self.busy:
             raise UsageError("commit while an acquire or extend of this sequence is still running")
-        bad = store.core.commit(self.sid, num_blocks)
+        bad = store.core.commit(self.sid, min(num_blocks, 1 << 40))    # (any count that large is past the end)
         if bad != -1:
             store._commit_refused(self, num_blocks, bad)
         if store.disk is not None:
@@ -220,6 +220,8 @@ class Sequence:
             store._check_stream(stream)
         if self.busy:
             await self._settle()
+            if self.closed or store.closed:     # closed meanwhile: its id may be another sequence's now
+                return
         if stream is None and not store.cuda:
             store.core.release(self.sid, 0)         # nothing to fence the pages with
         else:
@@ -227,9 +229,9 @@ class Sequence:
 
     async def close(self) -> None:
         """Committed pages become DROPPABLE; the others are freed. Waits for a
-        cancelled acquire or extend to finish first, so nothing leaks."""
-        if len(self.keys) >= LONG_BLOCKS and not self.closed:
-            await asyncio.sleep(0)
+        cancelled acquire or extend to finish first, so nothing leaks. A long
+        sequence yields to the loop after closing (never before: a caller
+        cancelled there has still closed it)."""
         if self.closed:
             raise StoreClosedError("sequence is already closed")
         if self.store.closed:                # the store let go of every page when it closed
@@ -239,6 +241,8 @@ class Sequence:
             await self._settle()
         if not self.closed:
             self.store._close_sequence(self)
+        if len(self.keys) >= LONG_BLOCKS:
+            await asyncio.sleep(0)
 
     async def __aenter__(self) -> "Sequence":
         return self

@@ -154,14 +154,18 @@ class Store:
         if self.remote is not None:
             await self.remote.open()            # an unreachable server is a tier with its circuit open
         # A free slot holds no page, so the reserve costs hits in proportion to the whole store:
-        # a group's reserve is its share of its slots, but of no more than a third of the store's.
-        third = sum(self.core.capacity(t, g) for t in self.tier_ids for g in range(self.core.n_groups(t))) / 3
+        # a tier's reserve is its share of its slots, but of no more than a third of the store's
+        # (spread over its groups by their size).
+        core = self.core
+        tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
+        third = sum(tier_slots.values()) / 3
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
                 continue
-            for g in range(self.core.n_groups(t)):
-                low = int(min(self.core.capacity(t, g), third) * cfg.reserve)
+            scale = min(1.0, third / tier_slots[t]) if tier_slots[t] else 1.0
+            for g in range(core.n_groups(t)):
+                low = int(core.capacity(t, g) * scale * cfg.reserve)
                 if low > 0:
                     r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low)
                     r.start()
@@ -547,6 +551,8 @@ class Store:
     def _release(self, seq: Sequence, stream=None) -> None:
         """Unlock exactly the pages this sequence locked (others may share them;
         a sequence not acquired has none: the core does nothing)."""
+        if seq.closed:                              # its id may be another sequence's now
+            return
         if stream is None and not self.cuda:        # no stream to fence the pages with
             self.core.release(seq.sid, 0)
             return

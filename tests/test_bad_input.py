@@ -236,3 +236,24 @@ async def test_bench_replay_reports_skipped_lines_and_refuses_a_trace_with_no_re
     bad.write_text("not json\n")
     with pytest.raises(UsageError, match="no requests"):
         await bench_replay(str(bad), None, str(tmp_path))
+
+
+async def test_bad_block_counts_are_usage_errors_and_change_nothing():
+    """extend() and commit() name a bad count in a UsageError: not a number, a bool, negative,
+    or past what the sequence has (a count past 2**31 too, which the core's int32 would not take)."""
+    async with Store.open(config(gpu=8)) as store:
+        seq = await store.open_sequence(tokens=toks(1, 2))
+        for bad in ("3", None, [1], True, -1, 1.5):
+            with pytest.raises(UsageError, match="non-negative integer"):
+                await seq.extend(bad)
+            with pytest.raises(UsageError, match="non-negative integer"):
+                seq.commit(bad)
+        assert seq.num_blocks == 0
+        await seq.extend(2)
+        for past in (3, 2**31, 10**30):
+            with pytest.raises(UsageError, match=r"cannot commit \d+ blocks: only 2 have pages"):
+                seq.commit(past)
+        assert seq.committed == 0
+        seq.commit(2)
+        assert seq.committed == 2
+        await seq.close()

@@ -130,7 +130,7 @@ async def test_drain_after_close_returns_even_if_a_reclaimer_was_woken(tmp_path)
 async def test_a_long_sequence_cancelled_at_its_yield_changed_nothing():
     """A call on a sequence of LONG_BLOCKS or more yields to the loop before its core call, so
     one long request does not hold the loop through all its operations; a caller cancelled at
-    that yield has changed nothing (and the sequence goes on)."""
+    that yield has changed nothing (and the sequence goes on). close() yields after closing."""
     from runtime.sequence import LONG_BLOCKS
     n = LONG_BLOCKS + 8
     async with Store.open(config(gpu=n, tpb=1, layers=None)) as store:
@@ -151,15 +151,61 @@ async def test_a_long_sequence_cancelled_at_its_yield_changed_nothing():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert seq.acquired                       # still locked: the release never ran
-        await seq.release()
-        task = asyncio.ensure_future(seq.close())
+        task = asyncio.ensure_future(seq.close())           # close yields after closing, not before
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not seq.closed
-        await seq.close()
+        assert seq.closed                                    # a cancelled close still closed: no leak
         assert store.stats()["tiers"]["gpu"]["groups"][0]["locked"] == 0
         again = await store.open_sequence(block_keys=list(range(1, n + 1)))
         assert again.matched_blocks == n
         await again.close()
+
+
+def _run_now(coro):
+    """Run a coroutine that must finish without suspending (a store fast path)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("it suspended")
+
+
+async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequence_closed_meanwhile(
+        tmp_path, monkeypatch):
+    """release() waits for a cancelled acquire to settle; a close() that ran meanwhile frees the
+    sequence's id, and another request may take it before the release resumes. The release
+    used to go on with the stale id and unlock that request's pages (found in review)."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 5):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        others = []
+        close_now = store._close_sequence
+
+        def close_then_reuse(q):          # another request takes the id right after the close
+            close_now(q)
+            if q is seq:
+                other = _run_now(store.open_sequence(tokens=toks(1, 4)))
+                _run_now(other.acquire())
+                others.append(other)
+        monkeypatch.setattr(store, "_close_sequence", close_then_reuse)
+        gate = threading.Event()
+        store.engine.io_read.submit(gate.wait)          # the promotion from disk waits
+        acquiring = asyncio.ensure_future(seq.acquire())
+        await asyncio.sleep(0.05)
+        acquiring.cancel()
+        await asyncio.gather(acquiring, return_exceptions=True)
+        closing = asyncio.ensure_future(seq.close())
+        releasing = asyncio.ensure_future(seq.release())
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(closing, releasing), 10)
+        other, = others
+        assert other.sid == seq.sid and seq.closed          # the id was reused
+        assert other.acquired and all(s >= 0 for s in other.locked_indices(0))   # its locks are its own
+        await other.release()
+        await other.close()
+        store.check_consistency()

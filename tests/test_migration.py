@@ -11,7 +11,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from runtime import Store, TierIOError
+from runtime import ReusePolicy, Store, TierIOError
 from runtime.tools.oracle import TieredLruBound
 from runtime.pages import GPU
 from runtime.tools.trace import read_trace
@@ -299,3 +299,19 @@ async def test_the_default_reserve_costs_almost_no_hits(tmp_path, split):
             blocks += len(keys)
     ours, theirs = hits / blocks, oracle.hits / oracle.blocks
     assert theirs - ours <= 0.003, (ours, theirs)
+
+
+async def test_the_reserve_is_capped_by_the_whole_store_across_groups(tmp_path):
+    """A tier's reserve is its share of at most a third of the store's slots, spread over its
+    groups by size: a GPU-heavy store keeps fewer free GPU slots, one group or two alike."""
+    two = two_life_cycles(window_reuse=ReusePolicy.OPTIONAL)     # OPTIONAL keeps its own pool group
+    for layers, groups in ((None, 1), (two, 2)):
+        (tmp_path / str(groups)).mkdir()
+        cfg = config(gpu=10_000, host=100, disk=100, disk_dir=tmp_path / str(groups), layers=layers,
+                     persist_on_close=False)
+        async with Store.open(cfg) as store:
+            gpu = [r.low for (t, _), r in store.reclaimers.items() if t == GPU]
+            host = [r.low for (t, _), r in store.reclaimers.items() if t != GPU]
+            assert len(gpu) == groups and len(host) == groups
+            assert gpu == [34] * groups             # 1 % of 10000 * (10200 / 3) / 10000, per group
+            assert host == [1] * groups             # the host is under a third: 1 % of its own 100

@@ -1,8 +1,11 @@
 """The disk tier: durable, slot-addressed spill files for cold pages.
 
 Data plane only: every call blocks, no asyncio here. The runtime calls it from
-worker threads; calls on one pool group are serialised by that group's lock,
-different groups run concurrently (the I/O and the checksums release the GIL).
+worker threads. A pool group's lock serialises what reads or changes its slot
+table and journal; a write holds it only around those steps and queues behind
+other writes on the group's write lock, so reads of live pages run beside a
+write's data transfer and sync. Different groups run concurrently (the I/O and
+the checksums release the GIL).
 
 Directory layout (``path``)::
 
@@ -873,7 +876,7 @@ class DiskTier:
         """Flush, compact every journal, release the lock. Idempotent."""
         if self._closed:
             return
-        self._closed = True          # new calls fail from here; calls under way finish first (group locks)
+        self._closed = True          # new calls fail from here; calls under way finish first (group and write locks)
         try:
             for g in self.groups:
                 with g.write_lock, g.lock:      # a write under way finishes first
@@ -1279,7 +1282,9 @@ class DiskTier:
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
             # 3. the records (with any other pending frees of the group), then a barrier
+            t2 = time.perf_counter()
             with g.lock:
+                t1 += time.perf_counter() - t2      # time waiting for the lock behind reads is not I/O
                 self._usable(g)             # a relabel may have broken the group meanwhile
                 out = recs.copy()
                 out["kind"] = WRITE

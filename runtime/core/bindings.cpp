@@ -250,11 +250,11 @@ NB_MODULE(_core, m) {
       .def("prefetch_pages", [](Core& c, int32_t s) { return Pages{c.prefetch_pages(s)}; })
       // -1: done; >= 0 (nothing changed): the first position whose key is indexed elsewhere or
       // repeated; kCommitPastBlocks / kCommitPastKeys: n is past the blocks with pages, or with keys.
-      .def("commit", [](Core& c, int32_t s, int32_t n) {
+      .def("commit", [](Core& c, int32_t s, int64_t n) {       // int64: a huge count is past the blocks too
              const kvtier::Seq& q = c.seq(s);
-             if (n > int32_t(q.blocks.size())) return kCommitPastBlocks;
-             if (n > int32_t(q.keys.size())) return kCommitPastKeys;
-             return c.commit(s, n);
+             if (n > int64_t(q.blocks.size())) return kCommitPastBlocks;
+             if (n > int64_t(q.keys.size())) return kCommitPastKeys;
+             return c.commit(s, int32_t(n));
            })
       .def("page_indices", [](const Core& c, int32_t s, int lc) { return c.page_indices(s, lc); })
       .def("locked_slots", [](const Core& c, int32_t s, int lc) { return c.locked_slots(s, lc); })

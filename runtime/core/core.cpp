@@ -64,7 +64,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
   // tables never reallocate (a doubling copy would leave the old copy in the heap).
   pt_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
   index_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
-  index_.presize(std::min<size_t>(total_slots, size_t(1) << 22));       // at most a 16 MiB map up front
+  index_.presize(std::min<size_t>(total_slots, size_t(1) << 21));       // at most a 16 MiB map up front
 }
 
 Seq& Core::live_seq(int32_t s) {

@@ -59,7 +59,8 @@ struct Seq {
   // request would otherwise regrow each one from nothing); rows past kKeepCells let go.
   void reset() {
     static constexpr size_t kKeepCells = 1 << 12;
-    if (pages.capacity() > kKeepCells || keys.capacity() > kKeepCells) {
+    if (pages.capacity() > kKeepCells || keys.capacity() > kKeepCells || locked.capacity() > kKeepCells ||
+        tokens.capacity() > kKeepCells) {
       *this = Seq();
       return;
     }

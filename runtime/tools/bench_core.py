@@ -58,7 +58,7 @@ async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequenc
     """The store against the bare LRU of the same total capacity, each the best of
     ``rounds`` replays on a fresh cache (the same rule for both: this machine drifts)."""
     bare = _bare(requests, sum(tiers))
-    ours, res = 0.0, None
+    ours, res = -1.0, None
     for _ in range(rounds):
         async with Store.open(_config(tiers, tempfile.mkdtemp(dir=directory), fsync)) as store:
             gc.collect()

@@ -173,10 +173,12 @@ NB_MODULE(_native, m) {
   m.def("copy_rows", &copy_rows, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
         "dst_index"_a.noconvert().none(),
         "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row, GIL released.");
-  m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a, "offsets"_a, "stride"_a,
+  m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
+        "stride"_a,
         "out[index[i]] <- the row at file offset offsets[i]; bytes read per page (int64 array). One preadv per "
         "run of adjacent offsets (each row then stride - width bytes of pad), GIL released.");
-  m.def("pwrite_rows", &pwrite_rows, "fd"_a, "rows"_a, "index"_a, "offsets"_a, "stride"_a,
+  m.def("pwrite_rows", &pwrite_rows, "fd"_a, "rows"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
+        "stride"_a,
         "The file at offsets[i] <- rows[index[i]] and stride - width zero bytes. One pwritev per run of "
         "adjacent offsets, GIL released; OSError (with errno) on failure.");
   m.def("xxh64", [](nb::bytes data, uint64_t seed) { return kvtier::xxh64(data.c_str(), data.size(), seed); },
