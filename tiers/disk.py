@@ -207,6 +207,14 @@ def _typed(exc: OSError, what: str) -> OSError:
     return TierIOError(exc.errno if exc.errno is not None else errno.EIO, msg)
 
 
+def _flatnonzero(mask: np.ndarray, step: int = 1 << 18) -> np.ndarray:
+    """``np.flatnonzero`` a quarter million entries per call: a worker holds the GIL through
+    each numpy call, and one over millions of slots stalls the event loop for milliseconds."""
+    if len(mask) <= step:
+        return np.flatnonzero(mask)
+    return np.concatenate([np.flatnonzero(mask[a:a + step]) + a for a in range(0, len(mask), step)])
+
+
 def _runs_of(sorted_slots: np.ndarray) -> list[tuple[int, int]]:
     """[lo, hi) offsets, relative to the first slot, of the runs of adjacent slots."""
     first = int(sorted_slots[0])
@@ -390,7 +398,7 @@ class _Reader:
     releases the GIL while the disk works (an mmap's page faults would hold it: a cold journal
     stalled the event loop for 200 ms at a time) and memory stays bounded by the window."""
 
-    def __init__(self, fd: int, size: int, chunk: int = 4 << 20) -> None:
+    def __init__(self, fd: int, size: int, chunk: int = 1 << 20) -> None:
         self.fd, self.size, self.chunk = fd, size, chunk
         self.base, self.buf = 0, b""
 
@@ -854,10 +862,9 @@ class DiskTier:
             os.ftruncate(g.journal_fd, good)
             dirty = True
         g.journal_size = good
-        g.n_live = int(g.live.sum())
-
         # Check what is cheap: the segment exists and covers every recorded slot.
-        live = np.flatnonzero(g.live)
+        live = _flatnonzero(g.live)
+        g.n_live = len(live)
         if len(live):
             if not seg_exists:
                 lost, reason = live, "segment file missing"
@@ -1547,21 +1554,22 @@ class DiskTier:
         """(group per record, ``RECORD`` array) chunks of every live page, in write order: what
         the store rebuilds its index from after open. Chunks keep each temporary a few MiB:
         freeing a large array holds the GIL for milliseconds."""
-        slots, groups, gens = [], [], []
+        slots, gens = [], []
         for g in self.groups:
             with g.lock:
-                idx = np.flatnonzero(g.live)
+                idx = _flatnonzero(g.live)
                 slots.append(idx)
-                groups.append(np.full(len(idx), g.index, dtype=np.int32))
                 gens.append(g.meta["gen"][idx])
         if not self.groups:
             return
-        slot, group = np.concatenate(slots), np.concatenate(groups)
+        ends = np.cumsum([len(s) for s in slots])          # group k's entries end at ends[k]
+        slot = np.concatenate(slots)
         order = np.argsort(np.concatenate(gens), kind="stable")
-        del slots, groups, gens
+        del slots, gens
         for a in range(0, len(order), chunk):
             part = order[a:a + chunk]
-            gs, ss = group[part], slot[part]
+            gs = np.searchsorted(ends, part, side="right").astype(np.int32)     # groups[k].index == k
+            ss = slot[part]
             out = np.empty(len(part), dtype=RECORD)
             for g in self.groups:
                 mine = gs == g.index

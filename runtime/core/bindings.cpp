@@ -403,7 +403,8 @@ NB_MODULE(_core, m) {
                throw nb::value_error("recover_add: records must be 64 bytes per group entry");
              auto& recs = c.pending_records();
              nb::gil_scoped_release nogil;
-             recs.reserve(recs.size() + n);
+             // grow geometrically: an exact reserve per chunk copied every record so far each time
+             if (recs.capacity() < recs.size() + n) recs.reserve(std::max(recs.size() + n, 2 * recs.capacity()));
              for (size_t i = 0; i < n; ++i) {
                kvtier::DiskRecord d;
                std::memcpy(&d, records.data() + i * sizeof d, sizeof d);

@@ -129,6 +129,7 @@ async def loop_hold_rows(n_blocks: int = 4096, tpb: int = 32, rounds: int = 5) -
                 tokens = list(range(r * n_blocks * tpb, (r + 1) * n_blocks * tpb))
                 if cached:
                     await _token_request(store, tokens)
+                gc.collect()            # earlier rows' garbage is not collected on this clock
                 await asyncio.sleep(0.01)
                 lag = LoopLagMonitor(0.001).start()
                 await _token_request(store, tokens)
