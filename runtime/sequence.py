@@ -84,6 +84,15 @@ class Sequence:
         if self.store.closed:
             raise StoreClosedError("store is closed")
 
+    def _open_with(self, stream) -> "Store":
+        """The store, once the sequence and the store are open and ``stream`` is usable."""
+        store = self.store
+        if self.closed or store.closed:
+            self._check_open()
+        if stream is not None:
+            store._check_stream(stream)
+        return store
+
     @property
     def num_blocks(self) -> int:
         """Blocks with pages (matched + extended)."""
@@ -146,11 +155,7 @@ class Sequence:
         on the pages' ready events: those of other sequences' kernels too."""
         if len(self.keys) >= LONG_BLOCKS:
             await asyncio.sleep(0)
-        store = self.store
-        if self.closed or store.closed:
-            self._check_open()
-        if stream is not None:
-            store._check_stream(stream)
+        store = self._open_with(stream)
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
         done = store.core.acquire_now(self.sid)     # the common case: every page on the GPU, still
@@ -213,11 +218,7 @@ class Sequence:
         the pages: no move copies them before it is done."""
         if len(self.keys) >= LONG_BLOCKS:
             await asyncio.sleep(0)
-        store = self.store
-        if self.closed or store.closed:
-            self._check_open()
-        if stream is not None:
-            store._check_stream(stream)
+        store = self._open_with(stream)
         if self.busy:
             await self._settle()
             if self.closed or store.closed:     # closed meanwhile: its id may be another sequence's now
