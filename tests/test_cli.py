@@ -53,6 +53,19 @@ def test_replay_json_and_malformed_lines(tmp_path):
     assert strict.returncode == 2 and ":6:" in strict.stderr
 
 
+def test_replay_names_its_errors_and_refuses_flags_beside_a_config(tmp_path):
+    """A request the store refuses is counted with its first message (a bare count said nothing);
+    a size flag beside --config, which sets the sizes, is refused instead of ignored."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 512, "output_length": 8,
+                                           "hash_ids": list(range(100 * i, 100 * i + 8))}) for i in range(3)) + "\n")
+    out = json.loads(kvtier("replay", str(trace), "--gpu-blocks", "4", "--host-blocks", "0", "--json").stdout)
+    assert out["errors"] == {"UsageError": 3}
+    assert "holds 4" in out["error_examples"]["UsageError"]          # 8 blocks into 4 GPU slots
+    r = kvtier("replay", str(trace), "--config", "examples/kv.toml", "--gpu-blocks", "64", check=False)
+    assert r.returncode == 2 and "--gpu-blocks cannot be combined with --config" in r.stderr
+
+
 def test_demo_runs_end_to_end():
     out = json.loads(kvtier("demo", "--requests", "120", "--json").stdout)
     rep = out["replay"]

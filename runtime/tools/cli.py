@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
-from tiers.errors import KvtierError
+from tiers.errors import KvtierError, UsageError
 from tiers.grouping import TIERS
 
 from ..config import load_config
@@ -132,15 +132,22 @@ def cmd_groups(args) -> int:
 
 
 # -- replay --------------------------------------------------------------------------------------------
+# replay's store flags and their defaults (the flags default to None, so that one given beside
+# --config, which sets all of it, is refused instead of ignored)
+_REPLAY_FLAGS = {"gpu_blocks": 1024, "host_blocks": 4096, "disk_blocks": 0, "page_bytes": 4096,
+                 "tokens_per_block": 512, "device": "auto"}
+
+
 def _flag_config(args, disk_dir: str | None) -> StoreConfig:
     from tiers.layers import LayerSpec
-    half = max(1, args.page_bytes // 2)
-    layers = [LayerSpec(0, (("k", half), ("v", args.page_bytes - half)))]
+    v = {k: d if getattr(args, k, None) is None else getattr(args, k) for k, d in _REPLAY_FLAGS.items()}
+    half = max(1, v["page_bytes"] // 2)
+    layers = [LayerSpec(0, (("k", half), ("v", v["page_bytes"] - half)))]
     return StoreConfig(
-        layers=layers, tokens_per_block=args.tokens_per_block,
-        gpu=GpuConfig(slots=args.gpu_blocks, device=args.device),
-        host=HostConfig(slots=args.host_blocks) if args.host_blocks else None,
-        disk=DiskConfig(path=disk_dir, slots=args.disk_blocks, fsync=False) if args.disk_blocks else None,
+        layers=layers, tokens_per_block=v["tokens_per_block"],
+        gpu=GpuConfig(slots=v["gpu_blocks"], device=v["device"]),
+        host=HostConfig(slots=v["host_blocks"]) if v["host_blocks"] else None,
+        disk=DiskConfig(path=disk_dir, slots=v["disk_blocks"], fsync=False) if v["disk_blocks"] else None,
     )
 
 
@@ -167,6 +174,11 @@ def cmd_replay(args) -> int:
                 out["write_through"] = store.stats()["write_through"]
             return out
 
+    if args.config:
+        given = [f"--{k.replace('_', '-')}" for k in _REPLAY_FLAGS if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} cannot be combined with --config: the config sets the tiers, "
+                             "page size and device")
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
         cfg = load_config(args.config) if args.config else _flag_config(args, tmp)
         out = run(main(cfg))
@@ -189,7 +201,9 @@ def _print_replay(out: dict) -> None:
              ["loop lag p50 / p99 / max", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} / "
                                           f"{out['loop_lag_ms']['max']} ms"]]
     if out.get("errors"):
-        rows.append(["errors", ", ".join(f"{k}: {v}" for k, v in out["errors"].items())])
+        examples = out.get("error_examples", {})
+        rows.append(["errors", "; ".join(f"{k}: {v}" + (f" (first: {examples[k]})" if k in examples else "")
+                                         for k, v in out["errors"].items())])
     _table("Replay", ["", "value"], rows)
     _print_moves(out["moved"])
 
@@ -281,12 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a Mooncake-format trace")
     r.add_argument("trace")
     r.add_argument("--config", help="TOML config (else the --*-blocks flags)")
-    r.add_argument("--gpu-blocks", type=at_least(1), default=1024)
-    r.add_argument("--host-blocks", type=at_least(0), default=4096)
-    r.add_argument("--disk-blocks", type=at_least(0), default=0)
-    r.add_argument("--page-bytes", type=at_least(2), default=4096)
-    r.add_argument("--tokens-per-block", type=at_least(1), default=512)
-    r.add_argument("--device", default="auto")
+    r.add_argument("--gpu-blocks", type=at_least(1), help="GPU slots (default 1024)")
+    r.add_argument("--host-blocks", type=at_least(0), help="host slots, 0 for none (default 4096)")
+    r.add_argument("--disk-blocks", type=at_least(0),
+                   help="disk slots in a temporary directory, fsync off (default 0: no disk tier)")
+    r.add_argument("--page-bytes", type=at_least(2), help="bytes per page (default 4096)")
+    r.add_argument("--tokens-per-block", type=at_least(1),
+                   help="tokens per block, for the key format only: each trace hash_id is one block (default 512)")
+    r.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
     r.add_argument("--limit", type=at_least(1))
     r.add_argument("--concurrency", type=at_least(1), default=1)
     r.add_argument("--honor-timestamps", action="store_true")

@@ -85,6 +85,9 @@ class PageWriter:
         return ok, bad
 
 
+YIELD_EVERY = 256      # a replay of a list yields to the loop at least this often (requests)
+
+
 @dataclasses.dataclass(slots=True)
 class ReplayResult:
     requests: int = 0
@@ -94,6 +97,7 @@ class ReplayResult:
     verified_pages: int = 0
     corrupt_pages: int = 0
     errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    error_examples: dict = dataclasses.field(default_factory=dict)     # type name -> its first message
     seconds: float = 0.0
     loop_lag_ms: dict = dataclasses.field(default_factory=dict)
     moved: dict = dataclasses.field(default_factory=dict)
@@ -106,7 +110,8 @@ class ReplayResult:
             "hit_rate_by_tier": {t: self.hit_by_tier[t] / b for t in ("gpu", "host", "disk")},
             "moved": self.moved, "blocks_per_s": self.blocks / self.seconds if self.seconds else 0.0,
             "loop_lag_ms": self.loop_lag_ms, "verified_pages": self.verified_pages,
-            "corrupt_pages": self.corrupt_pages, "errors": dict(self.errors), "seconds": round(self.seconds, 3),
+            "corrupt_pages": self.corrupt_pages, "errors": dict(self.errors),
+            "error_examples": dict(self.error_examples), "seconds": round(self.seconds, 3),
         }
 
 
@@ -139,6 +144,10 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
     finished = asyncio.Condition()
     in_flight = waiting = 0
 
+    def count_error(exc: BaseException) -> None:
+        res.errors[type(exc).__name__] += 1
+        res.error_examples.setdefault(type(exc).__name__, str(exc))
+
     async def one(req: TraceRequest) -> None:
         nonlocal in_flight, waiting
         in_flight += 1
@@ -147,11 +156,11 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                 try:
                     await serve(req, first=attempt == 0)
                     break
-                except OutOfPagesError:
+                except OutOfPagesError as exc:
                     # the pool is locked by requests in flight: wait for one to finish, as a server queues;
                     # not when every other request in flight waits too (nobody would finish to wake them)
                     if in_flight - waiting <= 1 or attempt == 7:
-                        res.errors["OutOfPagesError"] += 1
+                        count_error(exc)
                         break
                     waiting += 1
                     try:
@@ -194,7 +203,7 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
         except OutOfPagesError:
             raise
         except KvtierError as exc:
-            res.errors[type(exc).__name__] += 1
+            count_error(exc)
         finally:
             if not seq.closed:
                 await seq.close()
@@ -206,16 +215,18 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
             async def alone(req: TraceRequest) -> None:
                 try:
                     await serve(req, first=True)
-                except OutOfPagesError:
-                    res.errors["OutOfPagesError"] += 1
+                except OutOfPagesError as exc:
+                    count_error(exc)
                 if progress is not None:
                     progress(1)
             if isinstance(requests, AsyncIterable):
                 async for req in each:
                     await alone(req)
             else:
-                for req in requests:
+                for i, req in enumerate(requests, 1):
                     await alone(req)
+                    if not i % YIELD_EVERY:     # requests served from the GPU never suspend: let others run
+                        await asyncio.sleep(0)
         else:
             # at most `concurrency` requests in flight: the next starts when one ends (no task waits
             # in a queue of its own, so a finishing request costs O(1), not a pass over all of them)
