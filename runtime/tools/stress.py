@@ -35,7 +35,7 @@ def stress_config(disk_dir: str, write: str = "back") -> StoreConfig:
     layers = [LayerSpec(0, kv), LayerSpec(1, kv),
               LayerSpec(2, kv, window_tokens=12, sink_tokens=4, reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
     # write-through keeps a copy of what is above on the disk: three times GPU + host, so copies do not
-    # only evict each other (the store warns below that); write-back's disk is as small as the tiers above
+    # only evict each other (the store warns at 1x or less); write-back's disk is as small as the tiers above
     disk = 768 if write == "through" else 256
     return StoreConfig(layers=layers, tokens_per_block=TPB, gpu=GpuConfig(slots=160, device="auto"),
                        host=HostConfig(slots=96), disk=DiskConfig(path=disk_dir, slots=disk, fsync=False, write=write))
