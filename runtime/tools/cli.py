@@ -277,23 +277,32 @@ def _directory(text: str) -> str:
     return text
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("kvtier")
+    except Exception:           # noqa: BLE001 - a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache page runtime")
+    p.add_argument("--version", action="version", version=f"kvtier {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="replay a bundled trace slice with real pages through all three tiers")
-    d.add_argument("--requests", type=at_least(1), default=300)
-    d.add_argument("--concurrency", type=at_least(1), default=4)
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--requests", type=at_least(1), default=300, help="requests replayed (default 300)")
+    d.add_argument("--concurrency", type=at_least(1), default=4, help="requests in flight (default 4)")
+    d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=cmd_demo)
 
     g = sub.add_parser("groups", help="show the pool groups a config produces")
-    g.add_argument("config")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("config", help="TOML config")
+    g.add_argument("--json", action="store_true", help="print the groups as JSON")
     g.set_defaults(func=cmd_groups)
 
     r = sub.add_parser("replay", help="replay a Mooncake-format trace")
-    r.add_argument("trace")
+    r.add_argument("trace", help="Mooncake-format JSONL trace, plain or gzipped")
     r.add_argument("--config", help="TOML config (else the --*-blocks flags)")
     r.add_argument("--gpu-blocks", type=at_least(1), help="GPU slots (default 1024)")
     r.add_argument("--host-blocks", type=at_least(0), help="host slots, 0 for none (default 4096)")
@@ -303,24 +312,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokens-per-block", type=at_least(1),
                    help="tokens per block, for the key format only: each trace hash_id is one block (default 512)")
     r.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
-    r.add_argument("--limit", type=at_least(1))
-    r.add_argument("--concurrency", type=at_least(1), default=1)
-    r.add_argument("--honor-timestamps", action="store_true")
-    r.add_argument("--speed", type=_speed, default=1.0)
+    r.add_argument("--limit", type=at_least(1), help="replay only the first N requests")
+    r.add_argument("--concurrency", type=at_least(1), default=1, help="requests in flight (default 1)")
+    r.add_argument("--honor-timestamps", action="store_true", help="start each request at its trace time")
+    r.add_argument("--speed", type=_speed, default=1.0,
+                   help="with --honor-timestamps: replay this many times faster than the trace (default 1)")
     r.add_argument("--strict", action="store_true", help="a malformed line is fatal")
-    r.add_argument("--no-content", action="store_true", help="metadata only: no page bytes written or checked")
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--no-content", action="store_true",
+                   help="metadata only: no page bytes written or checked (much faster with large pages)")
+    r.add_argument("--json", action="store_true", help="print the result as JSON")
     r.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("stress", help="random concurrent sequences under memory pressure, every page verified")
-    s.add_argument("--ops", type=at_least(1), default=2000)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--concurrency", type=at_least(1), default=8)
-    s.add_argument("--restarts", type=at_least(0), default=2)
-    s.add_argument("--faults", action="store_true")
+    s.add_argument("--ops", type=at_least(1), default=2000, help="sequence operations in all (default 2000)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--concurrency", type=at_least(1), default=8, help="workers at once (default 8)")
+    s.add_argument("--restarts", type=at_least(0), default=2,
+                   help="times the store is closed and reopened on the same directory (default 2)")
+    s.add_argument("--faults", action="store_true",
+                   help="inject move failures, disk EIO and cancelled acquires (warnings on stderr are expected)")
     s.add_argument("--write", choices=("back", "through"), default="back",
                    help="the disk tier's write policy (through: clean copies written in the background)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_stress)
 
     b = sub.add_parser("bench", help="benchmarks as ratios against raw limits measured in the same run")
@@ -328,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", help="trace for the control-plane replay (default: the conversation trace "
                                    "when ../shared/traces is beside the checkout, else the bundled slice)")
     b.add_argument("--dir", type=_directory, help="where to put the disk files (default: the system temp dir)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print the rows as JSON")
     b.set_defaults(func=cmd_bench)
     return p
 
