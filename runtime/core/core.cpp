@@ -1383,17 +1383,21 @@ std::vector<Ids> Core::persist_candidates() const {
   if (out.empty()) return out;
   Ids pending;
   std::vector<uint8_t> chosen(pt_.pages.size(), 0);
-  index_.for_each_indexed([&](int32_t b) {
-    for (int lc = 0; lc < n_lcs(); ++lc) {
-      int32_t id = index_.page(b, lc);
-      if (id < 0) continue;
-      const Page& p = pt_[id];
-      if (!p.dead && p.published && p.tier != DISK && !p.claim && !p.locks && !has_copy(id)) {
-        pending.push_back(id);
-        chosen[size_t(id)] = 1;
+  // The index's pages off the disk are the pages owning GPU and host slots that their block names:
+  // a scan of those slots, not of a (much larger) index that is mostly on disk.
+  for (int t = 0; t < kTiers; ++t) {
+    if (t == DISK) continue;
+    for (const Ids& slots : owners_[t])
+      for (int32_t id : slots) {
+        if (id < 0) continue;
+        const Page& p = pt_[id];
+        if (p.block < 0 || !index_.blocks[p.block].indexed || index_.page(p.block, p.lc) != id) continue;
+        if (!p.dead && p.published && !p.claim && !p.locks && !has_copy(id)) {
+          pending.push_back(id);
+          chosen[size_t(id)] = 1;
+        }
       }
-    }
-  });
+  }
   // Only pages whose ancestors reach the disk too: a page persisted under an ancestor that stays
   // behind (locked by a running request, or cut by the capacity) is unreachable after a restart.
   std::vector<int8_t> memo(index_.blocks.size(), -1);
@@ -1406,7 +1410,9 @@ std::vector<Ids> Core::persist_candidates() const {
     pages.swap(kept);
   };
   keep_reachable(pending);
-  std::sort(pending.begin(), pending.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp > pt_[b].stamp; });
+  std::sort(pending.begin(), pending.end(), [&](int32_t a, int32_t b) {      // most recent first; ties by id
+    return pt_[a].stamp != pt_[b].stamp ? pt_[a].stamp > pt_[b].stamp : a < b;
+  });
   Ids capped;
   std::vector<int32_t> room(out.size());
   for (size_t g = 0; g < out.size(); ++g) room[g] = allocs_[DISK][g].capacity();

@@ -1818,7 +1818,7 @@ class ModelCore:
             return kept
 
         pending = keep_reachable(pending)
-        pending.sort(key=lambda pid: -self.pt[pid].stamp)
+        pending.sort(key=lambda pid: (-self.pt[pid].stamp, pid))    # most recent first; ties by id
         room = [a.capacity for a in self.allocs[DISK]]
         capped = []
         for pid in pending:
