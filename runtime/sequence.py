@@ -193,9 +193,7 @@ class Sequence:
 
     def commit(self, num_blocks: int) -> None:
         """Publish the first ``num_blocks`` full blocks for reuse."""
-        store = self.store
-        if self.closed or store.closed:
-            self._check_open()
+        store = self._open_with(None)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise UsageError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
         if self.busy:

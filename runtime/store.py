@@ -325,8 +325,7 @@ class Store:
                     None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
             self._check()                   # the store may have closed meanwhile
             sid, matched, by_tier = core.open(keys, priority)
-            if self.kv_events is not None:  # KV events: the blocks' tokens, for their BlockStored
-                self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+            self._keep_tokens(sid, token_arr, len(keys))
         else:
             token_arr = None
             keys = list(block_keys) if isinstance(block_keys, (list, tuple)) else check_block_keys(block_keys)
@@ -352,9 +351,13 @@ class Store:
                         self._recounted[1 + t] += by_tier[t]
                     sid, matched, by_tier = core.open(keys, priority)
                     self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
-                    if token_arr is not None and self.kv_events is not None:
-                        self.kv_events.tokens(sid, 0, token_arr[:len(keys) * self.tpb])
+                    self._keep_tokens(sid, token_arr, len(keys))
         return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
+
+    def _keep_tokens(self, sid: int, token_arr: np.ndarray | None, n_keys: int) -> None:
+        """KV events: the blocks' tokens, for their BlockStored (a sequence opened with tokens)."""
+        if token_arr is not None and self.kv_events is not None:
+            self.kv_events.tokens(sid, 0, token_arr[:n_keys * self.tpb])
 
     async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
         """The remote run after sequence ``sid``'s match, imported by a task of the store's
@@ -549,12 +552,9 @@ class Store:
         self._sync()
 
     def _release(self, seq: Sequence, stream=None) -> None:
-        """Unlock exactly the pages this sequence locked (others may share them;
-        a sequence not acquired has none: the core does nothing)."""
+        """Unlock exactly the pages this sequence locked (others may share them), fenced by
+        the caller's stream (the Sequence releases unfenced itself when there is none)."""
         if seq.closed:                              # its id may be another sequence's now
-            return
-        if stream is None and not self.cuda:        # no stream to fence the pages with
-            self.core.release(seq.sid, 0)
             return
         if not seq.acquired:
             return
@@ -569,8 +569,6 @@ class Store:
         return stream
 
     def _stream_wait(self, seq: Sequence, stream) -> None:
-        if stream is None and not self.cuda:
-            return
         stream = self._caller_stream(stream)
         if stream is None:
             return

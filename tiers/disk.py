@@ -215,14 +215,6 @@ def _flatnonzero(mask: np.ndarray, step: int = 1 << 18) -> np.ndarray:
     return np.concatenate([np.flatnonzero(mask[a:a + step]) + a for a in range(0, len(mask), step)])
 
 
-def _runs_of(sorted_slots: np.ndarray) -> list[tuple[int, int]]:
-    """[lo, hi) offsets, relative to the first slot, of the runs of adjacent slots."""
-    first = int(sorted_slots[0])
-    cut = np.flatnonzero(np.diff(sorted_slots) != 1) + 1
-    bounds = [0, *cut.tolist(), len(sorted_slots)]
-    return [(int(sorted_slots[lo]) - first, int(sorted_slots[hi - 1]) - first + 1) for lo, hi in zip(bounds, bounds[1:])]
-
-
 def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
     """Run ``op`` (os.pwritev or os.preadv) until every buffer is done, at most
     IOV_MAX vectors a call; returns the bytes moved. ``short_ok``: stop at the
@@ -1355,6 +1347,7 @@ class DiskTier:
             bounce = self._bounce_get(k * g.stride)
             try:
                 got = _preadv_all(g.read_fd, [memoryview(bounce[1])[:k * g.stride]], off)
+                short = np.arange(k) * g.stride + g.slot_bytes > got
                 staged = bounce[1][:k * g.stride].reshape(k, g.stride)[:, :g.slot_bytes]
                 t = time.perf_counter()
                 hashes = xxh64_rows(staged)
@@ -1364,19 +1357,16 @@ class DiskTier:
             finally:
                 self._bounce_put(bounce)
         else:
-            moved = pread_rows(g.read_fd, out, rows, sorted_slots[a:b] * g.stride, g.stride)
+            part = sorted_slots[a:b]
+            short = pread_rows(g.read_fd, out, rows, part * g.stride, g.stride) < g.slot_bytes
             if g.direct and not self.o_direct_reads:
                 # cold pages just promoted: do not keep a second copy in the page cache
-                for lo, hi in _runs_of(sorted_slots[a:b]):
-                    os.posix_fadvise(g.read_fd, off + lo * g.stride, (hi - lo) * g.stride, os.POSIX_FADV_DONTNEED)
+                for lo, hi in g.pieces(part, split=False):
+                    os.posix_fadvise(g.read_fd, int(part[lo]) * g.stride, (hi - lo) * g.stride,
+                                     os.POSIX_FADV_DONTNEED)
             t = time.perf_counter()
             hashes = xxh64_rows(out, rows)
             tck = time.perf_counter() - t
-            got = np.maximum(moved, 0)
-            short = got < g.slot_bytes
-            bad = (hashes != expected) & ~short
-            return rows[short], rows[bad], tck
-        short = np.arange(k) * g.stride + g.slot_bytes > got
         bad = (hashes != expected) & ~short
         return rows[short], rows[bad], tck
 

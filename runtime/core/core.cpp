@@ -437,21 +437,16 @@ Ids Core::place_extension(int32_t s, int32_t n, std::vector<Ids>& slots) {
 
 bool Core::extend_now(int32_t s, int32_t n, Ids& fences) {
   live_seq(s);
+  std::vector<int32_t>& need = ext_need_;
+  need.assign(allocs_[GPU].size(), 0);
+  for (int lc = 0; lc < n_lcs(); ++lc) need[group_of_[GPU][lc]] += n;
+  for (size_t g = 0; g < need.size(); ++g)
+    if (need[g] > allocs_[GPU][g].free()) return false;
   std::vector<Ids>& slots = ext_slots_;
-  slots.resize(allocs_[GPU].size());
-  for (Ids& v : slots) v.clear();
-  int32_t sole = sole_group_[GPU];
-  if (sole != kNoSole) {                          // every lc in one group: n * n_lcs slots of it
-    int32_t need = n * n_lcs();
-    if (need > allocs_[GPU][sole].free()) return false;
-    allocs_[GPU][sole].allocate(need, slots[sole]);
-  } else {
-    std::vector<int32_t> need(allocs_[GPU].size(), 0);
-    for (int lc = 0; lc < n_lcs(); ++lc) need[group_of_[GPU][lc]] += n;
-    for (size_t g = 0; g < need.size(); ++g)
-      if (need[g] > allocs_[GPU][g].free()) return false;
-    for (size_t g = 0; g < need.size(); ++g)
-      if (need[g]) allocs_[GPU][g].allocate(need[g], slots[g]);
+  slots.resize(need.size());
+  for (size_t g = 0; g < need.size(); ++g) {
+    slots[g].clear();
+    if (need[g]) allocs_[GPU][g].allocate(need[g], slots[g]);
   }
   fences = place_extension(s, n, slots);
   return true;

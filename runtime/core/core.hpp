@@ -387,7 +387,8 @@ class Core {
   mutable std::vector<int32_t> scratch_;
   // Per-call scratch of the request path, kept to spare an allocation per call.
   Ids open_path_, open_held_;
-  std::vector<Ids> ext_slots_;                         // extend_now: new slots per GPU group
+  std::vector<int32_t> ext_need_;                      // extend_now: slots needed per GPU group ...
+  std::vector<Ids> ext_slots_;                         // ... and the new slots
   std::vector<uint64_t> commit_hashes_;
   std::vector<RecoveredRecord> pending_records_;
   KvEventLog kv_events_;
