@@ -111,17 +111,32 @@ def index_tensor(slots: Sequence[int], device: torch.device) -> torch.Tensor:
     return idx
 
 
-def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+Rows = "torch.Tensor | np.ndarray"     # a slab or a buffer: numpy for host memory skips the torch calls
+
+
+def _host(t: Rows) -> np.ndarray | None:
+    """Host rows as numpy (None for CUDA memory). A numpy array passes as it is: torch calls give
+    up the GIL, and on the loop or a disk thread each costs a wait to get it back."""
+    if isinstance(t, np.ndarray):
+        return t
+    return None if t.is_cuda else t.numpy()
+
+
+def _index(slots: Sequence[int]) -> np.ndarray:
+    return np.asarray(slots, dtype=np.int64)
+
+
+def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | None = None) -> Rows:
     """Rows ``slots`` of ``src`` as a tensor on ``device``: ``out`` when given
-    (a host staging buffer), else a new one (page-aligned on the host, so the
-    disk tier can write it without a bounce copy)."""
+    (a host staging buffer, a tensor or a numpy array), else a new tensor
+    (page-aligned on the host, so the disk tier can write it without a bounce copy)."""
     if device.type == "cpu":
+        host_src = _host(src)
         if out is None:
-            out = aligned_empty(len(slots), src.shape[1]) if not src.is_cuda else \
+            out = aligned_empty(len(slots), src.shape[1]) if host_src is not None else \
                 torch.empty((len(slots), src.shape[1]), dtype=src.dtype, pin_memory=True)
-        if src.device == device:       # one native memcpy per row (torch's CPU index_select runs far slower)
-            _copy_rows(src.numpy(), np.asarray(slots, dtype=np.int64), out.numpy(), None)
+        if host_src is not None:       # one native memcpy per row (torch's CPU index_select runs far slower)
+            _copy_rows(host_src, _index(slots), _host(out), None)
             return out
     elif src.device == device:
         return src.index_select(0, index_tensor(slots, device))
@@ -132,28 +147,28 @@ def gather(src: torch.Tensor, slots: Sequence[int], device: torch.device,
     return out
 
 
-def scatter(dst: torch.Tensor, slots: Sequence[int], rows: torch.Tensor) -> None:
-    """``dst[slots] = rows``. On the GPU one index_copy_ kernel; on the host
-    one numpy fancy assignment when the slots are scattered (memcpy speed,
-    where torch's CPU index_copy_ runs several times slower), else one slice
-    copy per run."""
-    if dst.is_cuda and rows.is_cuda:
-        dst.index_copy_(0, index_tensor(slots, dst.device), rows)
+def scatter(dst: Rows, slots: Sequence[int], rows: Rows) -> None:
+    """``dst[slots] = rows``. On the GPU one index_copy_ kernel; between
+    host rows one native call (a memcpy per row); across devices one copy
+    per run of consecutive slots."""
+    host_dst, host_rows = _host(dst), _host(rows)
+    if host_dst is not None and host_rows is not None:
+        _copy_rows(host_rows, None, host_dst, _index(slots))
         return
-    if not dst.is_cuda and not rows.is_cuda:
-        _copy_rows(rows.numpy(), None, dst.numpy(), np.asarray(slots, dtype=np.int64))
+    if host_dst is None and host_rows is None:
+        dst.index_copy_(0, index_tensor(slots, dst.device), rows)
         return
     for off, first, n in _runs(slots):
         dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
 
 
-def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int]) -> None:
+def copy_rows(src: Rows, src_slots: Sequence[int], dst: Rows, dst_slots: Sequence[int]) -> None:
     """``dst[dst_slots] = src[src_slots]`` with no staging: between host
-    tensors one native call (a memcpy per row, the GIL released); across
-    devices one copy (one cudaMemcpyAsync) per run consecutive on both sides."""
-    if not src.is_cuda and not dst.is_cuda:
-        _copy_rows(src.numpy(), np.asarray(src_slots, dtype=np.int64), dst.numpy(),
-                   np.asarray(dst_slots, dtype=np.int64))
+    rows one native call (a memcpy per row); across devices one copy (one
+    cudaMemcpyAsync) per run consecutive on both sides."""
+    host_src, host_dst = _host(src), _host(dst)
+    if host_src is not None and host_dst is not None:
+        _copy_rows(host_src, _index(src_slots), host_dst, _index(dst_slots))
         return
     i, n = 0, len(src_slots)
     while i < n:
@@ -162,6 +177,13 @@ def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, ds
             j += 1
         dst[dst_slots[i]:dst_slots[i] + j - i].copy_(src[src_slots[i]:src_slots[i] + j - i], non_blocking=True)
         i = j
+
+
+def _rows_of(*pools) -> tuple:
+    """The pools' slabs as numpy when all are host memory (an emulated GPU's too), else as tensors."""
+    if all(p.array is not None for p in pools):
+        return tuple(p.array for p in pools)
+    return tuple(p.tensor for p in pools)
 
 
 class MigrationEngine:
@@ -237,7 +259,8 @@ class MigrationEngine:
 
                 def job() -> None:
                     if self._identity(lcs):
-                        copy_rows(hot.tensor, src_slots, dst, dst_slots)
+                        src_rows, dst_rows = _rows_of(hot, self.host[dst_group])
+                        copy_rows(src_rows, src_slots, dst_rows, dst_slots)
                     else:
                         rows = gather(hot.tensor, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
@@ -266,25 +289,34 @@ class MigrationEngine:
 
                 def job() -> None:
                     if self._identity(lcs):
-                        copy_rows(src, src_slots, dst, dst_slots)
+                        src_rows, dst_rows = _rows_of(self.host[src_group], self.gpu[dst_group])
+                        copy_rows(src_rows, src_slots, dst_rows, dst_slots)
                     else:
                         rows = gather(src, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
                 ev = await self._stage(busy, self.up, job, deps, inline=small)
             else:
                 records = batch.records()
+                src_rows = self.host[src_group].array       # host memory: numpy all the way to the disk
                 ev = await self._stage(busy, self.io_write,
-                                       lambda: self._spill(src, src_slots, dst_group, dst_slots, records), deps)
+                                       lambda: self._spill(src_rows, src_slots, dst_group, dst_slots, records), deps)
         else:   # DISK source
             width = self.cold_bytes[src_group]
             read_deps = set(batch.deps)
             if dst_tier == HOST:
-                dst = self.host[dst_group].tensor
+                dst = self.host[dst_group].array
 
                 def job() -> None:          # straight into the host slab, one read per run of slots
                     for off, first, n in _runs(dst_slots):
                         self.disk.read(src_group, src_slots[off:off + n], dst[first:first + n])
                 ev = await self._stage(busy, self.io_read, job, read_deps.union(fences))
+            elif self.gpu[dst_group].array is not None and self._identity(lcs):
+                dst = self.gpu[dst_group].array             # an emulated GPU: host memory end to end
+                with self.staging.borrow_array(n_pages, width) as staging:
+                    await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
+                                      read_deps)
+                    ev = await self._stage(busy, self.up, lambda: scatter(dst, dst_slots, staging), fences,
+                                           inline=small)
             else:
                 dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
                 with self.staging.borrow(n_pages, width) as staging:
@@ -335,8 +367,8 @@ class MigrationEngine:
             busy[0] += time.perf_counter() - t_issue
         return ev
 
-    def _spill(self, src: torch.Tensor, src_slots: list[int], group: int, dst_slots: Sequence[int],
-                    records: np.ndarray) -> None:
+    def _spill(self, src: np.ndarray, src_slots: list[int], group: int, dst_slots: Sequence[int],
+               records: np.ndarray) -> None:
         """Host rows to disk, one disk write (one journal frame, one barrier)
         per chunk of up to SPILL_CHUNK_BYTES: a chunk of consecutive source
         slots goes straight from the slab, a scattered one is gathered first
@@ -351,8 +383,9 @@ class MigrationEngine:
                 if part[-1] - part[0] == len(part) - 1:        # ascending, so one run
                     self.disk.write(group, dst, src[part[0]:part[0] + len(part)], recs)
                 else:
-                    with self.staging.borrow(len(part), src.shape[1]) as buf:
-                        self.disk.write(group, dst, gather(src, part, src.device, out=buf), recs)
+                    with self.staging.borrow_array(len(part), src.shape[1]) as buf:
+                        _copy_rows(src, _index(part), buf, None)
+                        self.disk.write(group, dst, buf, recs)
                 done.extend(dst)
         except BaseException:
             if done:

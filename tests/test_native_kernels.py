@@ -110,3 +110,31 @@ def test_row_io_short_read_at_end_of_file_and_errors(tmp_path):
         assert e.value.errno == errno.EBADF
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 137, (1 << 14) + 5])       # below and above the GIL threshold
+def test_argsort_i64_is_numpys_stable_argsort_and_finds_duplicates(n):
+    from tiers.native import argsort_i64
+    rng = np.random.default_rng(n)
+    distinct = rng.permutation(10 * n + 1)[:n].astype(np.int64)
+    order, dup = argsort_i64(distinct)
+    assert order.dtype == np.int64 and np.array_equal(order, np.argsort(distinct, kind="stable")) and not dup
+    if n >= 2:
+        repeated = distinct.copy()
+        repeated[-1] = repeated[0]
+        order, dup = argsort_i64(repeated)
+        assert np.array_equal(order, np.argsort(repeated, kind="stable")) and dup
+        strided = rng.integers(-50, 50, 2 * n).astype(np.int64)[::2]     # a view: stride 16 bytes
+        order, dup = argsort_i64(strided)
+        assert np.array_equal(order, np.argsort(strided, kind="stable"))
+        assert dup == (len(np.unique(strided)) < n)
+    with pytest.raises(TypeError):
+        argsort_i64(distinct.astype(np.int32))          # no silent conversion
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 9000, 100_000])
+def test_the_journal_crc_in_steps_is_zlibs(n):
+    import zlib
+    from tiers.journal import crc32
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert crc32(data) == zlib.crc32(data) and crc32(memoryview(data)) == zlib.crc32(data)

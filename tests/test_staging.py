@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +103,17 @@ async def test_spills_and_recalls_reuse_staging_and_read_back_exact(tmp_path):
         assert 1 <= store.engine.staging.allocated <= 3     # disk->gpu stages at least
     finally:
         await store.close()
+
+
+def test_a_numpy_borrow_shares_the_buffers_of_tensor_borrows():
+    p = pool()
+    with p.borrow(4, 4096) as t:
+        t.fill_(3)
+        ptr = t.data_ptr()
+    with p.borrow_array(2, 4096) as a:
+        assert a.shape == (2, 4096) and a.dtype == np.uint8 and a.ctypes.data == ptr
+        assert (a == 3).all()
+        a[:] = 9
+    with p.borrow(2, 4096) as t:
+        assert t.data_ptr() == ptr and bool((t == 9).all())
+    assert p.allocated == 1

@@ -123,7 +123,7 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import pread_rows, pwrite_rows, xxh64_rows
+from .native import argsort_i64, pread_rows, pwrite_rows, xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 
@@ -182,6 +182,17 @@ def _unpackb(data: bytes) -> Any:
 
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+_IOTA = np.arange(1 << 16, dtype=np.uint64)
+
+
+def _iota(first: int, n: int) -> np.ndarray:
+    """``first, first + 1, ...`` (``n`` of them) as uint64. ``np.arange`` gives up the GIL even for
+    a handful, and a disk thread that gives it up under a busy event loop waits to get it back."""
+    if n > len(_IOTA):
+        return np.arange(first, first + n, dtype=np.uint64)
+    return _IOTA[:n] + np.uint64(first)
 
 
 def _remove(path: str) -> None:
@@ -359,7 +370,7 @@ class _Group:
     def add_pending(self, slots: np.ndarray, first_gen: int) -> None:
         self.pending[slots] = True
         self.pending_slots.append(slots)
-        self.pending_gens.append(np.arange(first_gen, first_gen + len(slots), dtype=np.uint64))
+        self.pending_gens.append(_iota(first_gen, len(slots)))
         self.n_pending += len(slots)
 
     def pieces(self, sorted_slots: np.ndarray, split: bool = True) -> list[tuple[int, int]]:
@@ -951,8 +962,9 @@ class DiskTier:
             raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
 
     @staticmethod
-    def _check_slots(g: _Group, slots: Iterable[int]) -> np.ndarray:
-        """A caller's slots as an int64 array: each an int in [0, slots), no duplicates."""
+    def _check_slots(g: _Group, slots: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+        """A caller's slots as an int64 array (each an int in [0, slots), no duplicates) and their
+        ascending order (a stable argsort)."""
         if isinstance(slots, np.ndarray) and slots.dtype.kind in "iu" and slots.ndim == 1:
             arr = slots.astype(np.int64, copy=False)
         else:
@@ -968,9 +980,10 @@ class DiskTier:
         if len(arr) and (arr.min() < 0 or arr.max() >= g.slots):
             bad = int(arr[(arr < 0) | (arr >= g.slots)][0])
             raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots")
-        if len(np.unique(arr)) != len(arr):
+        order, dup = argsort_i64(arr)
+        if dup:
             raise UsageError(f"duplicate slots in one call on disk group {g.index}")
-        return arr
+        return arr, order
 
     def _take_gens(self, n: int) -> int:
         with self._gen_lock:
@@ -1238,7 +1251,7 @@ class DiskTier:
         after either, every slot is as it was before the call.
         """
         g = self._group(group)
-        sl = self._check_slots(g, slots)
+        sl, order = self._check_slots(g, slots)
         n = len(sl)
         recs = journal.as_records(records, n)
         if n and journal.malformed(recs, stored=False).any():
@@ -1261,7 +1274,6 @@ class DiskTier:
                                      "free it first")
                 t1 = time.perf_counter()
                 hashes = np.zeros(n, dtype=np.uint64)
-                order = np.argsort(sl, kind="stable")
                 sorted_slots = sl[order]
                 self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
                 # 1. frees of the target slots must be durable before their old bytes are overwritten
@@ -1289,7 +1301,7 @@ class DiskTier:
                 out["kind"] = WRITE
                 out["slot"] = sl
                 gen = self._take_gens(n)
-                out["gen"] = np.arange(gen, gen + n, dtype=np.uint64)
+                out["gen"] = _iota(gen, n)
                 out["csum"] = hashes ^ journal.identity(out, self._fp)
                 self._append(g, g.free_records(), out)
                 g.clear_pending()
@@ -1370,10 +1382,11 @@ class DiskTier:
         bad = (hashes != expected) & ~short
         return rows[short], rows[bad], tck
 
-    def _read_locked(self, g: _Group, slots: np.ndarray, out: np.ndarray) -> tuple[list[int], list[int], float, float]:
-        """Read and verify; returns (short slots, checksum-mismatch slots, io seconds, checksum seconds)."""
+    def _read_locked(self, g: _Group, slots: np.ndarray, order: np.ndarray,
+                     out: np.ndarray) -> tuple[list[int], list[int], float, float]:
+        """Read and verify (``order``: the slots' ascending order); returns (short slots,
+        checksum-mismatch slots, io seconds, checksum seconds)."""
         n = len(slots)
-        order = np.argsort(slots, kind="stable")
         sorted_slots = slots[order]
         short: list[np.ndarray] = []
         bad: list[np.ndarray] = []
@@ -1402,14 +1415,14 @@ class DiskTier:
         A slot without a live page is a ``UsageError``.
         """
         g = self._group(group)
-        sl = self._check_slots(g, slots)
+        sl, order = self._check_slots(g, slots)
         n = len(sl)
         arr = self._as_rows(out, n, g.slot_bytes, "out", writable=True)
         if n == 0:
             return
         with g.lock:
             self._check_live_locked(g, sl)
-            short, bad, tio, tck = self._read_locked(g, sl, arr)
+            short, bad, tio, tck = self._read_locked(g, sl, order, arr)
             self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck)
             if short:
                 self._discard(g, short, "short read (segment ends before the page)")
@@ -1431,9 +1444,9 @@ class DiskTier:
                 self._group(g.index)
                 self._usable(g)
                 live = np.flatnonzero(g.live)
-                for i in range(0, len(live), batch):
+                for i in range(0, len(live), batch):      # (flatnonzero's slots are ascending)
                     part = live[i:i + batch]
-                    short, bad, tio, tck = self._read_locked(g, part, scratch[:len(part)])
+                    short, bad, tio, tck = self._read_locked(g, part, np.arange(len(part)), scratch[:len(part)])
                     self._add_stats(bytes_read=len(part) * g.slot_bytes, io_seconds=tio, checksum_seconds=tck)
                     if short:
                         self._discard(g, short, "short read (segment ends before the page)")
@@ -1449,7 +1462,7 @@ class DiskTier:
         after the page reached the disk (it was written with an anonymous record, which recovery never
         serves). ``UsageError`` for a slot with no page."""
         g = self._group(group)
-        sl = self._check_slots(g, slots)
+        sl, _ = self._check_slots(g, slots)
         recs = journal.as_records(records, len(sl))
         if len(sl) and journal.malformed(recs, stored=False).any():
             raise UsageError("records with an unknown key form or a priority above 100")
@@ -1462,7 +1475,7 @@ class DiskTier:
             out["kind"] = WRITE
             out["slot"] = sl
             gen = self._take_gens(len(sl))
-            out["gen"] = np.arange(gen, gen + len(sl), dtype=np.uint64)
+            out["gen"] = _iota(gen, len(sl))
             out["csum"] = old["csum"] ^ journal.identity(old, self._fp) ^ journal.identity(out, self._fp)
             self._append(g, g.free_records(), out)
             g.clear_pending()
@@ -1474,7 +1487,7 @@ class DiskTier:
         (``write``, ``flush``, ``close``), and always before a freed slot is written again. Freeing a
         slot that ``read``/``verify_all`` already discarded is accepted (a no-op)."""
         g = self._group(group)
-        sl = self._check_slots(g, slots)
+        sl, _ = self._check_slots(g, slots)
         if not len(sl):
             return
         with g.lock:

@@ -189,8 +189,23 @@ def identity(recs: np.ndarray, fp: int) -> np.ndarray:
 
 # -- frames ------------------------------------------------------------------------------------------
 
+_CRC_STEP = 4096       # zlib.crc32 gives up the GIL above 5 KiB; a disk thread then waits to get it back
+
+
+def crc32(data: bytes | memoryview) -> int:
+    """zlib's CRC-32 of ``data``, in steps small enough that the GIL is kept (a frame of a few
+    hundred records takes microseconds; giving up the GIL cost a wait under a busy event loop)."""
+    view = memoryview(data).cast("B")
+    if len(view) <= _CRC_STEP:
+        return zlib.crc32(view)
+    crc = 0
+    for a in range(0, len(view), _CRC_STEP):
+        crc = zlib.crc32(view[a:a + _CRC_STEP], crc)
+    return crc
+
+
 def frame(magic: bytes, payload: bytes | memoryview) -> bytes:
-    return FRAME.pack(magic, len(payload), zlib.crc32(payload)) + bytes(payload)
+    return FRAME.pack(magic, len(payload), crc32(payload)) + bytes(payload)
 
 
 def malformed(recs: np.ndarray, stored: bool = True) -> np.ndarray:

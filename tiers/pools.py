@@ -15,7 +15,7 @@ from .grouping import GPU, PoolGroupSpec
 
 
 class SlabPool:
-    __slots__ = ("spec", "tensor", "offsets", "slots")
+    __slots__ = ("spec", "tensor", "array", "offsets", "slots")
 
     def __init__(self, spec: PoolGroupSpec, slots: int, device: Device) -> None:
         self.spec = spec
@@ -26,6 +26,9 @@ class SlabPool:
             tier = "gpu" if spec.tier == GPU else "host"
             raise ConfigError(f"tiers.{tier}.quota", f"cannot allocate {slots} slots of {spec.slot_bytes} bytes "
                                                      f"for pool group {spec.index}: {str(exc).splitlines()[0]}") from None
+        # host memory (a host slab, or an emulated GPU's) also as numpy, made once: copies on the
+        # loop use it, where each tensor.numpy() call would give up the GIL
+        self.array = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
         offs, o = [], 0
         for size in spec.slot_sizes:
             offs.append(o)
@@ -37,7 +40,7 @@ class SlabPool:
         """Let go of the slab (a closed store's pools): its memory goes back now, not when
         a garbage-collection pass finds the store's reference cycles (views a caller still
         holds keep their part alive)."""
-        self.tensor = None
+        self.tensor = self.array = None
 
     def pool_view(self, pool: int) -> torch.Tensor:
         off = self.offsets[pool]

@@ -18,6 +18,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 MIN_BYTES = 64 << 10         # buffers are sized in powers of two from here, so nearby sizes share them
@@ -28,33 +29,43 @@ class StagingPool:
 
     def __init__(self, alloc: Callable[[int], torch.Tensor], limit: int) -> None:
         self._alloc = alloc               # nbytes -> flat uint8 host tensor (aligned, pinned as needed)
-        self._free: list[torch.Tensor] = []
+        # idle buffers, each with its numpy view made once: a torch view per borrow gives up the GIL
+        self._free: list[tuple[torch.Tensor, np.ndarray]] = []
         self._lock = threading.Lock()     # moves borrow from the loop and from stream threads
         self.limit = limit                # idle bytes kept at most
         self.idle_bytes = 0
         self.allocated = 0                # buffers made (a test and stats figure)
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def _take(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            fits = [i for i, (b, _) in enumerate(self._free) if len(b) >= nbytes]
             if fits:
-                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-                self.idle_bytes -= buf.numel()
+                buf = self._free.pop(min(fits, key=lambda i: len(self._free[i][0])))
+                self.idle_bytes -= len(buf[0])
                 return buf
         self.allocated += 1
-        return self._alloc(max(MIN_BYTES, 1 << (nbytes - 1).bit_length()))
+        t = self._alloc(max(MIN_BYTES, 1 << (nbytes - 1).bit_length()))
+        return t, t.numpy()
 
-    def _give(self, buf: torch.Tensor) -> None:
+    def _give(self, buf: tuple[torch.Tensor, np.ndarray]) -> None:
         with self._lock:
-            if self.idle_bytes + buf.numel() <= self.limit:
+            if self.idle_bytes + len(buf[0]) <= self.limit:
                 self._free.append(buf)
-                self.idle_bytes += buf.numel()
+                self.idle_bytes += len(buf[0])
 
     @contextmanager
     def borrow(self, rows: int, cols: int) -> Iterator[torch.Tensor]:
-        """A ``[rows, cols]`` uint8 buffer for the duration of the block."""
+        """A ``[rows, cols]`` uint8 tensor for the duration of the block."""
         buf = self._take(rows * cols)
-        yield buf[:rows * cols].view(rows, cols)
+        yield buf[0][:rows * cols].view(rows, cols)
+        self._give(buf)
+
+    @contextmanager
+    def borrow_array(self, rows: int, cols: int) -> Iterator[np.ndarray]:
+        """The same as a numpy array, for host-only work (gathers, disk I/O): numpy views keep
+        the GIL, where each torch view gives it up and a busy loop makes it wait to get it back."""
+        buf = self._take(rows * cols)
+        yield buf[1][:rows * cols].reshape(rows, cols)
         self._give(buf)
 
     def clear(self) -> None:

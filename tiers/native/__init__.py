@@ -1,6 +1,7 @@
 """The data plane's native kernels (``tiers._native``, built from this
 folder's C++ by the package's own build): batched page checksums, row
-copies and row I/O, each one call per batch with the GIL released.
+copies and row I/O, each one call per batch (the GIL given up for large batches and
+for file I/O), and the small array sort the disk tier needs without giving up the GIL.
 
 ``KVTIER_NATIVE_LIB`` names another build of the extension to load instead
 (scripts/sanitize.sh points it at an AddressSanitizer build).
@@ -18,6 +19,6 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
-from tiers._native import copy_rows, pread_rows, pwrite_rows, xxh64, xxh64_rows  # noqa: E402
+from tiers._native import argsort_i64, copy_rows, pread_rows, pwrite_rows, xxh64, xxh64_rows  # noqa: E402
 
-__all__ = ["copy_rows", "pread_rows", "pwrite_rows", "xxh64", "xxh64_rows"]
+__all__ = ["argsort_i64", "copy_rows", "pread_rows", "pwrite_rows", "xxh64", "xxh64_rows"]

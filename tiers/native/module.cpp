@@ -1,12 +1,15 @@
 // tiers._native: the data plane's native kernels (nanobind): page checksums and row copies. Each call works
-// on a whole batch with the GIL released, so that disk I/O threads do not
-// hold the interpreter per page.
+// on a whole batch, so that disk I/O threads do not hold the interpreter per page. The file I/O
+// calls always release the GIL (a syscall may block); the compute kernels release it only for
+// batches of at least kReleaseBytes (see below).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <numeric>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -23,6 +26,25 @@ namespace {
 using Rows = nb::ndarray<const uint8_t, nb::ndim<2>, nb::device::cpu>;
 using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu>;
 using U64 = nb::ndarray<uint64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+
+// A checksum or a copy of fewer bytes than this keeps the GIL. Giving it up costs the caller a
+// handoff: another thread takes the GIL and this one waits for it back, up to the interpreter's
+// switch interval (5 ms) while that thread runs Python. For the event loop's small inline copies
+// (~256 KiB, tens of microseconds) that wait cost more than the copy: in a three-tier replay the
+// loop's copies spent 1.0 s waiting for the GIL against 0.7 s copying. A megabyte takes
+// 100-300 us, long enough that other threads should run meanwhile.
+constexpr size_t kReleaseBytes = size_t(1) << 20;
+
+// Releases the GIL for its lifetime when `nbytes` reaches kReleaseBytes.
+class MaybeNoGil {
+ public:
+  explicit MaybeNoGil(size_t nbytes) {
+    if (nbytes >= kReleaseBytes) release_.emplace();
+  }
+
+ private:
+  std::optional<nb::gil_scoped_release> release_;
+};
 
 // XXH64 of rows[index[i]] (or of every row when index is None), each row's
 // bytes contiguous; rows may have any row stride.
@@ -41,7 +63,7 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
   nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "uint64");
   uint64_t* dst = nb::cast<U64>(out).data();
   {
-    nb::gil_scoped_release nogil;
+    MaybeNoGil nogil(n * width);
     const uint8_t* base = rows.data();
     for (size_t i = 0; i < n; ++i) {
       int64_t r = index ? index->data()[int64_t(i) * idx_stride] : int64_t(i);
@@ -49,6 +71,29 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
     }
   }
   return out;
+}
+
+// Sorting more elements than this gives up the GIL (a few hundred microseconds of work).
+constexpr size_t kReleaseElements = size_t(1) << 14;
+
+// The stable ascending order of `a` (int64), and whether two elements are equal. numpy's
+// argsort gives up the GIL for any size: under a busy event loop each of the disk tier's
+// small sorts then waited milliseconds for it back.
+nb::tuple argsort_i64(Index a) {
+  const size_t n = a.shape(0);
+  const int64_t* v = a.data();
+  const int64_t st = a.stride(0);
+  nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "int64");
+  int64_t* order = nb::cast<nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>>(out).data();
+  bool dup = false;
+  {
+    std::optional<nb::gil_scoped_release> nogil;
+    if (n >= kReleaseElements) nogil.emplace();
+    std::iota(order, order + n, int64_t(0));
+    std::stable_sort(order, order + n, [&](int64_t x, int64_t y) { return v[x * st] < v[y * st]; });
+    for (size_t i = 1; i < n && !dup; ++i) dup = v[order[i] * st] == v[order[i - 1] * st];
+  }
+  return nb::make_tuple(out, dup);
 }
 
 using MutRows = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
@@ -96,7 +141,7 @@ void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optio
   const uint8_t* s = src.data();
   uint8_t* d = dst.data();
   const int64_t ss = src.stride(0), ds = dst.stride(0);
-  nb::gil_scoped_release nogil;
+  MaybeNoGil nogil(n * width);
   for (size_t i = 0; i < n; ++i) std::memmove(d + di[i] * ds, s + si[i] * ss, width);
 }
 
@@ -167,12 +212,17 @@ void pwrite_rows(int fd, Rows rows, Index index, Index offsets, size_t stride) {
 NB_MODULE(_native, m) {
   m.doc() = "kvtier's data-plane kernels: batched page checksums and row copies";
   m.def("xxh64_rows", &xxh64_rows, "rows"_a, "index"_a = nb::none(), "seed"_a = 0,
-        "XXH64 of each row (or of rows[index]) as a uint64 numpy array; the GIL is released while hashing.");
+        "XXH64 of each row (or of rows[index]) as a uint64 numpy array; the GIL is released while hashing "
+        "a megabyte or more.");
   // noconvert: an array of another dtype or layout is an error, never a silent temporary (a
   // converted dst would take the writes and be thrown away).
+  m.def("argsort_i64", &argsort_i64, "a"_a.noconvert(),
+        "(order, has_duplicates): the stable argsort of an int64 array, and whether any two elements are "
+        "equal; the GIL is kept for small arrays (numpy's argsort always gives it up).");
   m.def("copy_rows", &copy_rows, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
         "dst_index"_a.noconvert().none(),
-        "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row, GIL released.");
+        "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row; the GIL is released "
+        "for a megabyte or more.");
   m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
         "stride"_a,
         "out[index[i]] <- the row at file offset offsets[i]; bytes read per page (int64 array). One preadv per "
