@@ -16,6 +16,7 @@ Rules the code keeps:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Any, Awaitable, Callable, Sequence as Seq
 
@@ -52,6 +53,15 @@ HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a 
 _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, ReusePolicy.OPTIONAL: 2,
                ReusePolicy.PRIVATE: 3}
 
+class _InLine:
+    """A request waiting in a (tier, group)'s line for slots: ``turn`` is set when it comes first."""
+    __slots__ = ("need", "turn")
+
+    def __init__(self, need: int) -> None:
+        self.need = need
+        self.turn: asyncio.Future | None = None
+
+
 class Store:
     def __init__(self, cfg: StoreConfig) -> None:
         self.cfg = cfg
@@ -86,6 +96,8 @@ class Store:
         # reclaimer's batches and on-demand evictions' extra): what refills the reserve already
         self.refilling: dict[tuple[int, int], int] = {}
         self._refill_waiters: dict[tuple[int, int], asyncio.Future] = {}
+        # (tier, group) -> the requests short of slots there, first come first served (see _obtain)
+        self._lines: dict[tuple[int, int], collections.deque[_InLine]] = {}
         self.core: Core | None = None
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
@@ -648,27 +660,56 @@ class Store:
         return got
 
     async def _obtain(self, tier: int, group: int, n: int) -> list[int]:
-        """``n`` free slots, evicting (and cascading) as needed."""
+        """``n`` free slots, evicting (and cascading) as needed.
+
+        Requests short of slots wait in line, first come first served: only the head evicts, for
+        itself and, in the same batch, for the demand behind it. Without the line, concurrent
+        requests each took what was free (none got enough), each ran a small eviction of its own
+        and all woke on every landing: at concurrency 32 that was 64 k wake-ups and 2.4x the
+        batches of concurrency 1 for the same moves."""
         core = self.core
         reclaimer = self.reclaimers.get((tier, group))
         if reclaimer is not None:
             reclaimer.kick_after(n)
-        free = core.free(tier, group)
-        if n <= free:
-            return core.allocate(tier, group, n)
-        got = core.allocate(tier, group, free)
         key = (tier, group)
+        line = self._lines.get(key)
+        if not line:
+            if n <= core.free(tier, group):
+                return core.allocate(tier, group, n)
+            if line is None:
+                line = self._lines[key] = collections.deque()
+        me = _InLine(n)
+        line.append(me)
         try:
-            while True:
+            if len(line) > 1:
+                me.turn = asyncio.get_running_loop().create_future()
+                await me.turn
+            return await self._obtain_first(tier, group, n, reclaimer, line)
+        finally:
+            head = line[0] is me
+            line.remove(me)
+            if head and line and line[0].turn is not None and not line[0].turn.done():
+                line[0].turn.set_result(None)
+
+    async def _obtain_first(self, tier: int, group: int, n: int, reclaimer: Reclaimer | None,
+                            line: collections.deque[_InLine]) -> list[int]:
+        """_obtain for the head of the line."""
+        core = self.core
+        key = (tier, group)
+        got = core.allocate(tier, group, min(n, core.free(tier, group)))
+        try:
+            while len(got) < n:
                 short = n - len(got)
                 if self.refilling.get(key, 0) >= short:
                     # demotions in flight will give back enough: wait for them rather than run a
-                    # small batch of our own (concurrent requests would each run one)
+                    # small batch of our own
                     await self._refill_landed(key)
                 else:
-                    # evicting on demand: refill the background reserve in the same batch, less
-                    # what demotions in flight will give back
-                    extra = max(0, reclaimer.high - self.refilling.get(key, 0)) if reclaimer is not None else 0
+                    # evicting on demand: for the requests behind in line too, and to refill the
+                    # background reserve, less what demotions in flight will give back
+                    behind = sum(w.need for w in line) - n
+                    extra = max(0, behind + (reclaimer.high if reclaimer is not None else 0)
+                                - self.refilling.get(key, 0))
                     # pages the background demotion or a write-through copy has claimed are not
                     # evictable, but they are again when it finishes: wait for that rather than fail
                     wt = self.write_through if tier != DISK else None
@@ -688,8 +729,7 @@ class Store:
                             self.refilling_add(key, -spare)
                         return got + freed[:short]
                 got += core.allocate(tier, group, min(core.free(tier, group), n - len(got)))
-                if len(got) == n:
-                    return got
+            return got
         except BaseException:
             core.give_back(tier, group, got)
             raise

@@ -277,6 +277,61 @@ async def test_concurrent_demand_evictions_do_not_overshoot_the_reserve():
         store.check_consistency()
 
 
+async def test_requests_short_of_slots_wait_in_line_and_the_first_evicts_for_all():
+    """Requests short of GPU slots at once queue: they are served in arrival order, the first
+    evicts in one batch for itself and for those behind it (each used to take what was free,
+    evict its own small batch and wake on every landing), and a request cancelled while in
+    line leaves nothing behind."""
+    cfg = config(gpu=64, host=512, tpb=1)
+    cfg.gpu.reserve = 0                           # no background demotion: every eviction is on demand
+    async with Store.open(cfg) as store:
+        seq = await store.open_sequence(block_keys=list(range(64)))
+        await seq.extend(64)                      # the GPU is full of evictable pages
+        seq.commit(64)
+        await seq.close()
+        assert store.stats()["tiers"]["gpu"]["groups"][0]["free"] == 0
+        assert "gpu->host" not in store.stats()["moves"]
+        order: list[int] = []
+        started, go = asyncio.Event(), asyncio.Event()
+        evict = store._evict
+
+        async def held_evict(tier, victims):        # the first eviction waits until all are in line
+            await go.wait()
+            return await evict(tier, victims)
+        store._evict = held_evict
+
+        async def request(j: int) -> None:
+            seq = await store.open_sequence(block_keys=list(range(1000 + 10 * j, 1006 + 10 * j)))
+            if j == 0:
+                started.set()
+            try:
+                await seq.extend(6)
+                order.append(j)
+                seq.commit(6)
+            finally:
+                await seq.close()
+        tasks = [asyncio.ensure_future(request(j)) for j in range(8)]
+        await started.wait()
+        for _ in range(100):
+            line = store._lines.get((0, 0), ())
+            if len(line) == 8:
+                break
+            await asyncio.sleep(0)
+        assert [w.need for w in line] == [6] * 8          # all eight in line, the first evicting
+        tasks[5].cancel()                                 # one leaves the line while it waits
+        await asyncio.sleep(0)
+        go.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[5], asyncio.CancelledError) and not any(results[:5] + results[6:])
+        assert order == [0, 1, 2, 3, 4, 6, 7]
+        st = store.stats()
+        # the first evicted before the others came; the next evicted once for all behind it
+        assert st["moves"]["gpu->host"]["batches"] == 2
+        assert st["moves"]["gpu->host"]["pages"] == 48
+        assert not line and st["tiers"]["gpu"]["groups"][0]["free"] == 6     # the cancelled request's share
+        store.check_consistency()
+
+
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="needs ../shared/traces beside the checkout")
 @pytest.mark.parametrize("split", [(3000, 1000, 500), (4000, 4000, 4000), (6000, 200, 200)])
 async def test_the_default_reserve_costs_almost_no_hits(tmp_path, split):
