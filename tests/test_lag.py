@@ -186,3 +186,14 @@ async def test_observe_gets_every_sample_a_stall_included():
     await asyncio.sleep(0.03)
     await mon.stop()
     assert len(seen) == mon.percentiles_ms()["count"] and max(seen) >= 0.25
+
+
+async def test_the_bench_hold_watcher_sees_a_stall_whole():
+    """bench_core's loop-hold rows: a watcher that yields every turn sees a callback that
+    holds the loop for its whole length (a timer ticker sees it only to its grain)."""
+    from runtime.tools.bench_core import _HoldWatcher
+    watch = _HoldWatcher().start()
+    await asyncio.sleep(0.005)
+    asyncio.get_running_loop().call_soon(time.sleep, 0.02)      # holds the loop 20 ms
+    await asyncio.sleep(0.005)
+    assert await watch.stop() >= 20.0
