@@ -181,7 +181,7 @@ async def loop_hold_rows(n_blocks: int = 4096, tpb: int = 32, rounds: int = 5) -
                     await _evict_all(store)
             out.append({"bench": f"core: loop held by one {n_blocks}-block request ({label}, max of {rounds})",
                         "value": round(worst, 2), "unit": "ms", "baseline": round(idle, 2),
-                        "baseline_is": "ms, the idle loop (this machine's scheduling)", "ratio": None})
+                        "baseline_is": f"idle loop {idle:.2f} ms (this machine's scheduling alone)", "ratio": None})
             await _evict_all(store)
     return out
 
