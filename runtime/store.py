@@ -651,7 +651,7 @@ class Store:
         got: dict[int, list[int]] = {}
         items = counts.items() if isinstance(counts, dict) else counts
         try:
-            for g, n in items:
+            for g, n in sorted(items):      # one order for every caller: no two wait on each other's line
                 got[g] = await self._obtain(tier, g, n)
         except BaseException:
             for g, slots in got.items():
