@@ -97,3 +97,10 @@ def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
     assert replay["value"] < lean["value"] and lean["baseline"] == replay["baseline"]
     assert replay["lean_bound"] == lean["value"] and abs(lean["ratio"] - lean["value"] / lean["baseline"]) < 1e-3
     assert replay["movement_floor"] == floor["value"] and abs(floor["ratio"] - floor["value"] / floor["baseline"]) < 1e-3
+
+
+def test_replay_of_a_file_without_one_request_fails(tmp_path):
+    junk = tmp_path / "notes.jsonl"
+    junk.write_text("hello\n{\"timestamp\": 1}\n")
+    r = kvtier("replay", str(junk), "--gpu-blocks", "64", check=False)
+    assert r.returncode == 1 and "no request in" in r.stderr, r.stderr[-500:]

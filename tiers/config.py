@@ -14,6 +14,7 @@ from .grouping import DISK, GPU, HOST, Layout, split_quota
 from .remote import RemoteSettings
 from .layers import LayerSpec, build_life_cycles, parse_layer_ids
 from .policy import ReusePolicy
+from .units import human_bytes
 
 MAX_BYTES = 1 << 60            # any size above 1 EiB is a typo
 MAX_SLOTS = (1 << 31) - 1      # slots per pool group: the native core addresses them with int32
@@ -269,15 +270,16 @@ class StoreConfig:
                     need[tier] += n * g.slot_bytes
                 core += n * CORE_BYTES_PER_SLOT
         if gpu_free is not None and need[GPU] > gpu_free:
-            raise ConfigError("tiers.gpu.quota", f"the GPU tier needs {need[GPU]} bytes; the device has {gpu_free} free")
+            raise ConfigError("tiers.gpu.quota", f"the GPU tier needs {need[GPU]} bytes ({human_bytes(need[GPU])}); "
+                                                 f"the device has {gpu_free} ({human_bytes(gpu_free)}) free")
         host = need[HOST] + core + (need[GPU] if gpu_free is None else 0)
         if host > host_free:
             parts = {"tiers.host.quota": need[HOST], "tiers.gpu.quota": need[GPU] if gpu_free is None else 0,
                      "tiers.disk.quota": core}
             field = max(parts, key=parts.get)
-            raise ConfigError(field, f"the store needs {host} bytes of host memory (host slabs {need[HOST]}, "
-                                     f"emulated GPU slabs {parts['tiers.gpu.quota']}, the core's slot tables "
-                                     f"{core}); {host_free} are available")
+            raise ConfigError(field, f"the store needs {host} bytes ({human_bytes(host)}) of host memory (host "
+                                     f"slabs {need[HOST]}, emulated GPU slabs {parts['tiers.gpu.quota']}, the core's "
+                                     f"slot tables {core}); {host_free} ({human_bytes(host_free)}) are available")
 
     # -- TOML shape -------------------------------------------------------------
     @classmethod

@@ -126,6 +126,7 @@ from . import journal
 from .native import argsort_i64, pread_rows, pwrite_rows, xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
+from .units import human_bytes
 
 log = logging.getLogger("kvtier.disk")
 
@@ -769,9 +770,10 @@ class DiskTier:
         free = st.f_bavail * st.f_frsize - (self.min_free or 0)
         growth = sum(max(0, g.max_size - g.size) for g in self.groups)
         if growth > free:
-            log.warning("disk tier %s: the quota needs %d more bytes but the filesystem has %d free%s; the tier "
-                        "will stop growing when it fills (writes then fail with DiskFullError)", self.path, growth,
-                        max(0, free), f" above min_free={self.min_free}" if self.min_free else "")
+            log.warning("disk tier %s: the quota needs %d more bytes (%s) but the filesystem has %d (%s) free%s; "
+                        "the tier will stop growing when it fills (writes then fail with DiskFullError)", self.path,
+                        growth, human_bytes(growth), max(0, free), human_bytes(max(0, free)),
+                        f" above min_free={self.min_free}" if self.min_free else "")
         self._stats["quota_beyond_free_bytes"] = max(0, growth - max(0, free))
 
     @staticmethod

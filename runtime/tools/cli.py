@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.errors import KvtierError, UsageError
 from tiers.grouping import TIERS
+from tiers.units import human_bytes
 
 from ..config import load_config
 from ..loop import run
@@ -32,7 +33,9 @@ def tune_gc() -> None:
 # -- output helpers ----------------------------------------------------------------------------
 def _console():
     from rich.console import Console
-    return Console()
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=200)       # piped: rich would assume 80 columns and cut the cells
 
 
 @contextmanager
@@ -63,14 +66,6 @@ def _table(title: str, columns: list[str], rows: list[list]) -> None:
     _console().print(t)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 # -- groups ----------------------------------------------------------------------------------------
 def groups_report(cfg: StoreConfig) -> dict:
     out = {}
@@ -95,7 +90,7 @@ def print_groups(report: dict) -> None:
             key = _key_text(g["key"])
             lcs = "; ".join(f"#{lc['index']} {lc['reuse']}{' w' + str(lc['window_tokens']) if lc['window_tokens'] else ''}"
                             f" L{_ranges(lc['layers'])}" for lc in g["life_cycles"])
-            rows.append([tier, g["index"], key, lcs, _human(sum(g["slot_bytes"])), g["slots"]])
+            rows.append([tier, g["index"], key, lcs, human_bytes(sum(g["slot_bytes"])), g["slots"]])
     _table("Pool groups", ["tier", "group", "key", "life cycles", "page", "slots"], rows)
 
 
@@ -104,10 +99,10 @@ def _key_text(key: dict) -> str:
     if "page_shape" in key:
         shape = key["page_shape"]
         sizes = sorted(set(shape))
-        parts.append(f"{len(shape)}x{_human(sizes[0])}" if len(sizes) == 1 else "+".join(_human(x) for x in shape))
+        parts.append(f"{len(shape)}x{human_bytes(sizes[0])}" if len(sizes) == 1 else "+".join(human_bytes(x) for x in shape))
         parts.append(f"sparsity={key['sparsity']}" if key["sparsity"] else "dense")
     else:
-        parts.append(f"cold {_human(key['cold_page_bytes'])}")
+        parts.append(f"cold {human_bytes(key['cold_page_bytes'])}")
     return " | ".join(parts)
 
 
@@ -186,6 +181,9 @@ def cmd_replay(args) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_replay(out)
+    if not out["requests"]:
+        print(f"kvtier: error: no request in {args.trace!r} could be read", file=sys.stderr)
+        return 1
     return 1 if out["corrupt_pages"] else 0
 
 
@@ -209,7 +207,7 @@ def _print_replay(out: dict) -> None:
 
 
 def _print_moves(moved: dict) -> None:
-    rows = [[d, m["pages"], _human(m["bytes"]), m["batches"], f"{m['bandwidth_gbps']:.2f}", m["failures"]]
+    rows = [[d, m["pages"], human_bytes(m["bytes"]), m["batches"], f"{m['bandwidth_gbps']:.2f}", m["failures"]]
             for d, m in moved.items()]
     _table("Moves", ["direction", "pages", "bytes", "batches", "GB/s", "failed"], rows)
 
@@ -337,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_stress)
 
     b = sub.add_parser("bench", help="benchmarks as ratios against raw limits measured in the same run")
-    b.add_argument("--quick", action="store_true", help="one page size and a trace slice (about a minute)")
+    b.add_argument("--quick", action="store_true", help="one page size and a trace slice (well under a minute)")
     b.add_argument("--trace", help="trace for the control-plane replay (default: the conversation trace "
                                    "when ../shared/traces is beside the checkout, else the bundled slice)")
     b.add_argument("--dir", type=_directory, help="where to put the disk files (default: the system temp dir)")

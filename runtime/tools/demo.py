@@ -8,6 +8,7 @@ bytes through GPU (emulated without CUDA), host and a temporary disk tier.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from importlib import resources
 
@@ -38,6 +39,9 @@ def bundled_trace() -> str:
 async def run_demo(requests: int = 300, quiet: bool = False, concurrency: int = 4) -> dict:
     from .cli import groups_report, progress_bar
     trace, _ = read_trace(bundled_trace(), limit=requests)
+    if len(trace) < requests and not quiet:
+        print(f"kvtier demo: the bundled trace slice has {len(trace)} requests; replaying all of them",
+              file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         cfg = demo_config(tmp)
         async with Store.open(cfg) as store:
