@@ -122,6 +122,9 @@ def _host(t: Rows) -> np.ndarray | None:
     return None if t.is_cuda else t.numpy()
 
 
+_HOST = torch.device("cpu")
+
+
 def _index(slots: Sequence[int]) -> np.ndarray:
     return np.asarray(slots, dtype=np.int64)
 
@@ -247,7 +250,7 @@ class MigrationEngine:
         if self.fault is not None:
             self.fault(src_tier, dst_tier)
         dev = self.device.torch_device
-        host_dev = torch.device("cpu")
+        host_dev = _HOST
         nbytes = n_pages * self._dst_width(dst_tier, dst_group)
         small = nbytes <= INLINE_BYTES   # a few µs of memcpy: cheaper on the loop than a hop to a copy thread
 
@@ -310,22 +313,20 @@ class MigrationEngine:
                     for off, first, n in _runs(dst_slots):
                         self.disk.read(src_group, src_slots[off:off + n], dst[first:first + n])
                 ev = await self._stage(busy, self.io_read, job, read_deps.union(fences))
-            elif self.gpu[dst_group].array is not None and self._identity(lcs):
-                dst = self.gpu[dst_group].array             # an emulated GPU: host memory end to end
-                with self.staging.borrow_array(n_pages, width) as staging:
-                    await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
-                                      read_deps)
-                    ev = await self._stage(busy, self.up, lambda: scatter(dst, dst_slots, staging), fences,
-                                           inline=small)
             else:
-                dst, hot_bytes = self.gpu[dst_group].tensor, self.gpu[dst_group].spec.slot_bytes
-                with self.staging.borrow(n_pages, width) as staging:
+                hot = self.gpu[dst_group]
+                plain = hot.array is not None and self._identity(lcs)     # emulated: host memory end to end
+                borrow = self.staging.borrow_array if plain else self.staging.borrow
+                with borrow(n_pages, width) as staging:
                     await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
                                       read_deps)
 
                     def job() -> None:
-                        rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
-                        scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
+                        if plain:
+                            scatter(hot.array, dst_slots, staging)
+                        else:
+                            rows = staging.to(dev, non_blocking=True)      # the staging itself when emulated
+                            scatter(hot.tensor, dst_slots, self._convert(rows, lcs, False, hot.spec.slot_bytes))
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
         if record:
             self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
@@ -384,8 +385,7 @@ class MigrationEngine:
                     self.disk.write(group, dst, src[part[0]:part[0] + len(part)], recs)
                 else:
                     with self.staging.borrow_array(len(part), src.shape[1]) as buf:
-                        _copy_rows(src, _index(part), buf, None)
-                        self.disk.write(group, dst, buf, recs)
+                        self.disk.write(group, dst, gather(src, part, _HOST, out=buf), recs)
                 done.extend(dst)
         except BaseException:
             if done:

@@ -27,6 +27,7 @@ from tiers.config import StoreConfig
 from tiers.device import Device, host_available_bytes
 from tiers.errors import CorruptPageError, DiskFullError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
 from tiers.grouping import Layout
+from tiers.native import keep_gil_below
 from tiers.journal import RECORD
 from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
@@ -40,7 +41,7 @@ from .loop import short_switch_interval
 from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import wait_events
-from .reclaim import Reclaimer
+from .reclaim import MAX_BATCH, Reclaimer
 from .recovery import index_recovered, persist
 from .remote import RemoteLink
 from .sequence import Sequence
@@ -52,6 +53,11 @@ HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a 
 
 _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, ReusePolicy.OPTIONAL: 2,
                ReusePolicy.PRIVATE: 3}
+
+# The loop's thread keeps the GIL through native copies and checksums smaller than this (workers
+# below 64 KiB): its inline copies are at most 256 KiB, tens of microseconds, and giving the GIL
+# up cost each a wait to get it back that was longer than the copy (tiers/native/module.cpp).
+LOOP_KEEPS_GIL_BELOW = 1 << 20
 
 class _InLine:
     """A request waiting in a (tier, group)'s line for slots: ``turn`` is set when it comes first."""
@@ -98,6 +104,7 @@ class Store:
         self._refill_waiters: dict[tuple[int, int], asyncio.Future] = {}
         # (tier, group) -> the requests short of slots there, first come first served (see _obtain)
         self._lines: dict[tuple[int, int], collections.deque[_InLine]] = {}
+        self._line_batch: dict[int, int] = {}      # tier -> most slots its first in line evicts for those behind
         self.core: Core | None = None
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
@@ -153,6 +160,7 @@ class Store:
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
+        keep_gil_below(LOOP_KEEPS_GIL_BELOW)     # this (the loop's) thread: small inline copies keep the GIL
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
             if self.kv_events is not None:
@@ -172,6 +180,11 @@ class Store:
         tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
         third = sum(tier_slots.values()) / 3
         for t in self.tier_ids:
+            # the first in a line evicts for those behind it at most a quarter of the next tier's
+            # smallest group (MAX_BATCH at most): the next tier makes room for it from its own
+            nxt = self.next_tier[t]
+            self._line_batch[t] = MAX_BATCH if nxt is None else \
+                min([MAX_BATCH] + [core.capacity(nxt, g) // 4 for g in range(core.n_groups(nxt))])
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
                 continue
@@ -662,22 +675,22 @@ class Store:
     async def _obtain(self, tier: int, group: int, n: int) -> list[int]:
         """``n`` free slots, evicting (and cascading) as needed.
 
-        Requests short of slots wait in line, first come first served: only the head evicts, for
-        itself and, in the same batch, for the demand behind it. Without the line, concurrent
-        requests each took what was free (none got enough), each ran a small eviction of its own
-        and all woke on every landing: at concurrency 32 that was 64 k wake-ups and 2.4x the
-        batches of concurrency 1 for the same moves."""
+        A request that finds enough slots free takes them at once (as the Sequence's fast
+        paths do). Requests short of slots wait in line, first come first served: only the
+        head evicts, for itself and, in the same batch, for some of the demand behind it.
+        Without the line, concurrent requests each took what was free (none got enough), each
+        ran a small eviction of its own and all woke on every landing: at concurrency 32 that
+        was 64 k wake-ups and 2.4x the batches of concurrency 1 for the same moves."""
         core = self.core
         reclaimer = self.reclaimers.get((tier, group))
         if reclaimer is not None:
             reclaimer.kick_after(n)
+        if n <= core.free(tier, group):
+            return core.allocate(tier, group, n)
         key = (tier, group)
         line = self._lines.get(key)
-        if not line:
-            if n <= core.free(tier, group):
-                return core.allocate(tier, group, n)
-            if line is None:
-                line = self._lines[key] = collections.deque()
+        if line is None:
+            line = self._lines[key] = collections.deque()
         me = _InLine(n)
         line.append(me)
         try:
@@ -706,8 +719,11 @@ class Store:
                     await self._refill_landed(key)
                 else:
                     # evicting on demand: for the requests behind in line too, and to refill the
-                    # background reserve, less what demotions in flight will give back
-                    behind = sum(w.need for w in line) - n
+                    # background reserve, less what demotions in flight will give back. What is
+                    # evicted for those behind is capped (_line_batch): a batch larger than the
+                    # next tier can make room for would skip that tier whole, dropping newer
+                    # pages where a request's own batch would have pushed out its oldest
+                    behind = min(sum(w.need for w in line) - n, self._line_batch.get(tier, MAX_BATCH))
                     extra = max(0, behind + (reclaimer.high if reclaimer is not None else 0)
                                 - self.refilling.get(key, 0))
                     # pages the background demotion or a write-through copy has claimed are not

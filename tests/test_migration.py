@@ -332,6 +332,64 @@ async def test_requests_short_of_slots_wait_in_line_and_the_first_evicts_for_all
         store.check_consistency()
 
 
+async def test_the_line_batch_fits_the_next_tier_and_fitting_requests_do_not_queue():
+    """(From review.) The first in line evicts for those behind it at most a quarter of the next
+    tier: a batch larger than the host can make room for skipped it whole, and 42 newer pages
+    were dropped while 10 older host pages stayed. And a request that finds its slots free
+    takes them without waiting behind another's eviction."""
+    cfg = config(gpu=64, host=16, tpb=1)
+    cfg.gpu.reserve = 0
+    cfg.host.reserve = 0
+
+    async def one(store, keys):
+        seq = await store.open_sequence(block_keys=keys)
+        await seq.extend(len(keys) - seq.num_blocks)
+        seq.commit(len(keys))
+        await seq.close()
+
+    async with Store.open(cfg) as store:
+        old, hot = list(range(10_000, 10_016)), list(range(20_000, 20_064))
+        for k in old + hot:                     # the 16 old pages end up filling the host tier
+            await one(store, [k])
+        go = asyncio.Event()
+        evict = store._evict
+
+        async def held_evict(tier, victims):    # the first eviction waits until all are in line
+            await go.wait()
+            return await evict(tier, victims)
+        store._evict = held_evict
+        tasks = [asyncio.ensure_future(one(store, list(range(30_000 + 10 * j, 30_006 + 10 * j))))
+                 for j in range(8)]
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert len(store._lines[(0, 0)]) == 8
+        go.set()
+        await asyncio.gather(*tasks)
+        store._evict = evict
+        kept = 0
+        for k in old:
+            seq = await store.open_sequence(block_keys=[k])
+            kept += seq.matched_blocks
+            await seq.close()
+        assert kept == 0, f"{kept} old pages kept while newer ones were dropped"
+
+        # a request that fits in the free pool does not wait for the evicting head
+        seq = await store.open_sequence(block_keys=list(range(40_000, 40_003)))
+        await seq.extend(3)                         # holds 3 slots, uncommitted
+        store._evict = held_evict
+        go.clear()
+        head = asyncio.ensure_future(one(store, list(range(50_000, 50_006))))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await seq.close()                           # its 3 slots are free again
+        slots = await asyncio.wait_for(store._obtain(0, 0, 2), 1.0)
+        store.core.give_back(0, 0, slots)
+        go.set()
+        await head
+        store._evict = evict
+        store.check_consistency()
+
+
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="needs ../shared/traces beside the checkout")
 @pytest.mark.parametrize("split", [(3000, 1000, 500), (4000, 4000, 4000), (6000, 200, 200)])
 async def test_the_default_reserve_costs_almost_no_hits(tmp_path, split):

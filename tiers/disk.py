@@ -66,7 +66,8 @@ Checksums. A page's record holds the XXH64 of its ``slot_bytes`` XOR the
 page's identity (block key, life cycle, layout fingerprint; see
 ``journal.identity``), so a record pointing a key at another page's bytes
 fails like damaged bytes do. They are computed in batches by the native
-``tiers._native.xxh64_rows`` with the GIL released, and verified lazily, by
+``tiers._native.xxh64_rows`` (the GIL released for 64 KiB or more on a worker
+thread), and verified lazily, by
 ``read()``: verifying eagerly at open would read the whole quota (up to
 terabytes) before the first request. Open checks what is cheap - journal
 integrity, that the segment exists and covers every recorded slot - and

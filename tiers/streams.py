@@ -43,7 +43,8 @@ WORKER_NICE = 5     # how much less CPU priority worker threads take than the ev
 
 def _lower_priority() -> None:
     """Run this (worker) thread at a lower CPU priority than the event loop.
-    Copies, checksums and I/O calls on workers run without the GIL, so on a
+    Copies and checksums of 64 KiB or more and I/O calls on workers run
+    without the GIL (``tiers.native.keep_gil_below``), so on a
     machine with few cores they compete with the loop for the CPU itself:
     at equal priority the scheduler hands the loop's core to a worker for a
     whole time slice (several ms of loop lag). A nicer worker still gets

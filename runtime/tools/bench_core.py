@@ -118,9 +118,12 @@ async def _requests(store: Store, first_key: int, n_blocks: int, per_request: in
 
 class _HoldWatcher:
     """The longest time the loop went without running this watcher, which yields at every
-    turn (``sleep(0)``): exactly the longest run of other callbacks between two of its turns.
-    A timer ticker measures that only to its timer's grain: on this VM a 1 ms ticker on an
-    idle loop read up to 0.7-1.4 ms late (uvloop's timers count whole milliseconds)."""
+    turn (``sleep(0)``): the longest run of other callbacks between two of its turns, plus any
+    wait of the loop's thread for the GIL meanwhile. A timer ticker measures that only to its
+    timer's grain: on this VM a 1 ms ticker on an idle loop read up to 0.7-1.4 ms late
+    (uvloop's timers count whole milliseconds). The watcher keeps the loop busy, so a worker
+    thread that needs the GIL (the request's token hashing) gets it less often and runs longer
+    than it would: a measure of the loop's hold, not of the request's duration."""
 
     def __init__(self) -> None:
         self.longest = 0.0

@@ -1,7 +1,7 @@
 // tiers._native: the data plane's native kernels (nanobind): page checksums and row copies. Each call works
 // on a whole batch, so that disk I/O threads do not hold the interpreter per page. The file I/O
 // calls always release the GIL (a syscall may block); the compute kernels release it only for
-// batches of at least kReleaseBytes (see below).
+// batches of at least the calling thread's threshold (t_keep_gil_below, below).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -27,19 +27,24 @@ using Rows = nb::ndarray<const uint8_t, nb::ndim<2>, nb::device::cpu>;
 using Index = nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu>;
 using U64 = nb::ndarray<uint64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
 
-// A checksum or a copy of fewer bytes than this keeps the GIL. Giving it up costs the caller a
-// handoff: another thread takes the GIL and this one waits for it back, up to the interpreter's
-// switch interval (5 ms) while that thread runs Python. For the event loop's small inline copies
-// (~256 KiB, tens of microseconds) that wait cost more than the copy: in a three-tier replay the
-// loop's copies spent 1.0 s waiting for the GIL against 0.7 s copying. A megabyte takes
-// 100-300 us, long enough that other threads should run meanwhile.
-constexpr size_t kReleaseBytes = size_t(1) << 20;
+// A checksum or a copy of fewer bytes than the calling thread's threshold keeps the GIL. Giving
+// it up costs the caller a handoff: another thread takes the GIL and this one waits for it back,
+// up to the interpreter's switch interval (5 ms) while that thread runs Python. On the event
+// loop's thread that wait cost more than its small inline copies (~256 KiB, tens of
+// microseconds): in a three-tier replay the loop's copies spent 1.0 s waiting for the GIL against
+// 0.7 s copying. So the loop's thread keeps it below 1 MiB (keep_gil_below, called by the Store
+// on the loop); other threads keep it only below 64 KiB, so that the loop can run while a
+// worker copies or checksums a batch.
+thread_local size_t t_keep_gil_below = size_t(64) << 10;
 
-// Releases the GIL for its lifetime when `nbytes` reaches kReleaseBytes.
+// Sorting more elements than this gives up the GIL (a few hundred microseconds of work).
+constexpr size_t kReleaseElements = size_t(1) << 14;
+
+// Releases the GIL for its lifetime when `release` is true.
 class MaybeNoGil {
  public:
-  explicit MaybeNoGil(size_t nbytes) {
-    if (nbytes >= kReleaseBytes) release_.emplace();
+  explicit MaybeNoGil(bool release) {
+    if (release) release_.emplace();
   }
 
  private:
@@ -63,7 +68,7 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
   nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "uint64");
   uint64_t* dst = nb::cast<U64>(out).data();
   {
-    MaybeNoGil nogil(n * width);
+    MaybeNoGil nogil(n * width >= t_keep_gil_below);
     const uint8_t* base = rows.data();
     for (size_t i = 0; i < n; ++i) {
       int64_t r = index ? index->data()[int64_t(i) * idx_stride] : int64_t(i);
@@ -72,9 +77,6 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
   }
   return out;
 }
-
-// Sorting more elements than this gives up the GIL (a few hundred microseconds of work).
-constexpr size_t kReleaseElements = size_t(1) << 14;
 
 // The stable ascending order of `a` (int64), and whether two elements are equal. numpy's
 // argsort gives up the GIL for any size: under a busy event loop each of the disk tier's
@@ -87,8 +89,7 @@ nb::tuple argsort_i64(Index a) {
   int64_t* order = nb::cast<nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>>(out).data();
   bool dup = false;
   {
-    std::optional<nb::gil_scoped_release> nogil;
-    if (n >= kReleaseElements) nogil.emplace();
+    MaybeNoGil nogil(n >= kReleaseElements);
     std::iota(order, order + n, int64_t(0));
     std::stable_sort(order, order + n, [&](int64_t x, int64_t y) { return v[x * st] < v[y * st]; });
     for (size_t i = 1; i < n && !dup; ++i) dup = v[order[i] * st] == v[order[i - 1] * st];
@@ -121,8 +122,8 @@ struct RowIndex {
   int64_t operator[](size_t i) const { return data ? data[int64_t(i) * stride] : int64_t(i); }
 };
 
-// dst[dst_index[i]] = src[src_index[i]] for every i, in order: one memmove per row, GIL
-// released. The host side of page moves (host slabs, the emulated GPU, staging), where
+// dst[dst_index[i]] = src[src_index[i]] for every i, in order: one memmove per row, the GIL
+// released for batches of at least the thread's threshold. The host side of page moves (host slabs, the emulated GPU, staging), where
 // numpy's fancy indexing made two passes (gather into a temporary, then scatter) and held
 // the GIL. src and dst may be views of one buffer (memmove); dst's own rows may not overlap
 // each other, or a row written would change another.
@@ -141,7 +142,7 @@ void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optio
   const uint8_t* s = src.data();
   uint8_t* d = dst.data();
   const int64_t ss = src.stride(0), ds = dst.stride(0);
-  MaybeNoGil nogil(n * width);
+  MaybeNoGil nogil(n * width >= t_keep_gil_below);
   for (size_t i = 0; i < n; ++i) std::memmove(d + di[i] * ds, s + si[i] * ss, width);
 }
 
@@ -213,16 +214,19 @@ NB_MODULE(_native, m) {
   m.doc() = "kvtier's data-plane kernels: batched page checksums and row copies";
   m.def("xxh64_rows", &xxh64_rows, "rows"_a, "index"_a = nb::none(), "seed"_a = 0,
         "XXH64 of each row (or of rows[index]) as a uint64 numpy array; the GIL is released while hashing "
-        "a megabyte or more.");
+        "a batch of at least the thread's keep_gil_below.");
   // noconvert: an array of another dtype or layout is an error, never a silent temporary (a
   // converted dst would take the writes and be thrown away).
+  m.def("keep_gil_below", [](size_t nbytes) { t_keep_gil_below = nbytes; }, "nbytes"_a,
+        "For the calling thread: copy_rows and xxh64_rows keep the GIL for batches smaller than nbytes "
+        "(64 KiB unless set; the event loop's thread sets 1 MiB).");
   m.def("argsort_i64", &argsort_i64, "a"_a.noconvert(),
         "(order, has_duplicates): the stable argsort of an int64 array, and whether any two elements are "
         "equal; the GIL is kept for small arrays (numpy's argsort always gives it up).");
   m.def("copy_rows", &copy_rows, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
         "dst_index"_a.noconvert().none(),
         "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row; the GIL is released "
-        "for a megabyte or more.");
+        "for a batch of at least the thread's keep_gil_below.");
   m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
         "stride"_a,
         "out[index[i]] <- the row at file offset offsets[i]; bytes read per page (int64 array). One preadv per "
