@@ -70,8 +70,9 @@ class Reclaimer:
         key = (tier, group)
         refilling = store.refilling
         while core.free(tier, group) + refilling.get(key, 0) < self.high and not store.closed:
-            want = min(self.high - core.free(tier, group) - refilling.get(key, 0), MAX_BATCH,
-                       core.queue_len(tier, group))
+            # at most what the next tier can make room for in one batch (Store._line_batch)
+            want = min(self.high - core.free(tier, group) - refilling.get(key, 0),
+                       store._line_batch.get(tier, MAX_BATCH), core.queue_len(tier, group))
             if want <= 0:
                 return
             victims = store._pick_victims(tier, group, want, raise_=False)

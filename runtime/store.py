@@ -57,7 +57,8 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
 # The loop's thread keeps the GIL through native copies and checksums smaller than this (workers
 # below 64 KiB): its inline copies are at most 256 KiB, tens of microseconds, and giving the GIL
 # up cost each a wait to get it back that was longer than the copy (tiers/native/module.cpp).
-LOOP_KEEPS_GIL_BELOW = 1 << 20
+LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
+REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
 
 class _InLine:
     """A request waiting in a (tier, group)'s line for slots: ``turn`` is set when it comes first."""
@@ -180,11 +181,12 @@ class Store:
         tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
         third = sum(tier_slots.values()) / 3
         for t in self.tier_ids:
-            # the first in a line evicts for those behind it at most a quarter of the next tier's
-            # smallest group (MAX_BATCH at most): the next tier makes room for it from its own
+            # a demotion batch beyond a request's own need (the reserve's, the line's) is at most a
+            # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier
+            # can make room for it from its own evictable pages
             nxt = self.next_tier[t]
             self._line_batch[t] = MAX_BATCH if nxt is None else \
-                min([MAX_BATCH] + [core.capacity(nxt, g) // 4 for g in range(core.n_groups(nxt))])
+                min([MAX_BATCH] + [max(1, core.capacity(nxt, g) // 4) for g in range(core.n_groups(nxt))])
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
                 continue
@@ -710,22 +712,25 @@ class Store:
         core = self.core
         key = (tier, group)
         got = core.allocate(tier, group, min(n, core.free(tier, group)))
+        landings = 0
         try:
             while len(got) < n:
                 short = n - len(got)
-                if self.refilling.get(key, 0) >= short:
+                if self.refilling.get(key, 0) >= short and landings < REFILL_WAITS:
                     # demotions in flight will give back enough: wait for them rather than run a
-                    # small batch of our own
+                    # small batch of our own (a few times: requests that find slots free take
+                    # them too, so landed slots may go elsewhere; then it evicts its own)
                     await self._refill_landed(key)
+                    landings += 1
                 else:
                     # evicting on demand: for the requests behind in line too, and to refill the
-                    # background reserve, less what demotions in flight will give back. What is
-                    # evicted for those behind is capped (_line_batch): a batch larger than the
-                    # next tier can make room for would skip that tier whole, dropping newer
-                    # pages where a request's own batch would have pushed out its oldest
-                    behind = min(sum(w.need for w in line) - n, self._line_batch.get(tier, MAX_BATCH))
-                    extra = max(0, behind + (reclaimer.high if reclaimer is not None else 0)
-                                - self.refilling.get(key, 0))
+                    # background reserve, less what demotions in flight will give back. The
+                    # extra is capped (_line_batch): a batch larger than the next tier can make
+                    # room for would skip that tier whole, dropping newer pages where a smaller
+                    # batch would have pushed out the next tier's oldest
+                    behind = sum(w.need for w in line) - n
+                    extra = min(max(0, behind + (reclaimer.high if reclaimer is not None else 0)
+                                    - self.refilling.get(key, 0)), self._line_batch.get(tier, MAX_BATCH))
                     # pages the background demotion or a write-through copy has claimed are not
                     # evictable, but they are again when it finishes: wait for that rather than fail
                     wt = self.write_through if tier != DISK else None

@@ -3,6 +3,7 @@ tier equivalence with a plain LRU, and concurrent sequences under pressure."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import threading
@@ -387,6 +388,91 @@ async def test_the_line_batch_fits_the_next_tier_and_fitting_requests_do_not_que
         go.set()
         await head
         store._evict = evict
+        store.check_consistency()
+
+
+async def test_reserve_batches_fit_the_next_tier():
+    """(From review.) With the largest reserve and a host smaller than a refill batch, the GPU
+    reclaimer's batches skipped the host whole and were dropped while the host kept its oldest
+    pages for good. Batches beyond a request's own need are capped at a quarter of the next
+    tier, so the host makes room for them: what is dropped is the oldest."""
+    cfg = config(gpu=64, host=16, tpb=1)
+    cfg.gpu.reserve = 0.5
+    cfg.host.reserve = 0
+    async with Store.open(cfg) as store:
+        keys = []
+        for j in range(20):
+            ks = list(range(1000 * j, 1000 * j + 6))
+            keys += ks
+            seq = await store.open_sequence(block_keys=ks)
+            await seq.extend(6)
+            seq.commit(6)
+            await seq.close()
+            await asyncio.sleep(0.005)
+        await store.drain()
+        have = [store.nodes.get(k) is not None and store.nodes[k].pages[0] is not None for k in keys]
+        oldest_kept = have.index(True)
+        newest_dropped = max(i for i, h in enumerate(have) if not h)
+        assert newest_dropped < oldest_kept + 6, (oldest_kept, newest_dropped)
+        store.check_consistency()
+
+
+async def test_the_first_in_line_is_not_starved_by_requests_that_fit():
+    """(From review.) The first in line waiting for background demotions got its slots from the
+    free pool, where requests that fit (the Sequence's fast path) took them first, landing after
+    landing. It now waits for at most a couple of landings, then evicts for itself."""
+    cfg = config(gpu=64, host=4096, tpb=1)
+    cfg.gpu.reserve = 0.1
+    cfg.host.reserve = 0
+    async with Store.open(cfg) as store:
+        core = store.core
+        keys = itertools.count(1_000_000)
+        for _ in range(64):
+            seq = await store.open_sequence(block_keys=[next(keys)])
+            await seq.extend(1)
+            seq.commit(1)
+            await seq.close()
+            await asyncio.sleep(0)
+        await store.drain()
+        go = asyncio.Event()
+        evict = store._evict
+
+        async def gated(tier, victims):             # demotions land only when the test says
+            await go.wait()
+            return await evict(tier, victims)
+        store._evict = gated
+        stop = False
+
+        async def newcomers() -> None:              # requests that fit in the free pool as they arrive
+            while not stop:
+                await asyncio.sleep(0)
+                f = core.free(0, 0)
+                if f:
+                    seq = await store.open_sequence(block_keys=[next(keys) for _ in range(f)])
+                    await seq.extend(f)
+                    seq.commit(f)
+                    await seq.close()
+        nc = asyncio.ensure_future(newcomers())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        head = asyncio.ensure_future(store._obtain(0, 0, 8))
+        for _ in range(40):                         # 40 landings of the background demotion
+            for _ in range(5):
+                await asyncio.sleep(0)
+            go.set()
+            await asyncio.sleep(0)
+            go.clear()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            if head.done():
+                break
+        stop = True
+        go.set()
+        store._evict = evict
+        await nc
+        assert head.done(), "the first in line got nothing in 40 landings"
+        core.give_back(0, 0, head.result())
+        await store.drain()
         store.check_consistency()
 
 
