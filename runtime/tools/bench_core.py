@@ -207,21 +207,25 @@ async def _evict_all(store: Store) -> None:
         core.give_back(0, 0, await store._evict(0, victims))
 
 
-async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str) -> list[dict]:
-    """Replay throughput at concurrency 32 against concurrency 1 (three
-    tiers), and the loop lag p99 at 32."""
-    rows = []
-    res = {}
-    for c in (1, 32):
-        sub = tempfile.mkdtemp(dir=directory)
-        async with Store.open(_config(tiers, sub)) as store:
-            r = await replay(store, requests, content=False, verify=False, concurrency=c)
-        res[c] = r
-    one, many = (res[c].blocks / res[c].seconds for c in (1, 32))
-    rows.append({"bench": "core: three-tier replay at concurrency 32", "value": round(many), "unit": "blocks/s",
-                 "baseline": round(one), "baseline_is": "the same replay at concurrency 1",
-                 "ratio": round(many / one, 3)})
-    lag = res[32].loop_lag_ms
+async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str,
+                           rounds: int = 2) -> list[dict]:
+    """Replay throughput at concurrency 32 against concurrency 1 (three tiers), each the best
+    of ``rounds`` fresh replays, the two alternated (this VM's speed drifts by tens of percent
+    over a minute); and the loop lag p99 of the best replay at 32."""
+    best: dict[int, tuple[float, object]] = {}
+    for _ in range(rounds):
+        for c in (1, 32):
+            sub = tempfile.mkdtemp(dir=directory)
+            async with Store.open(_config(tiers, sub)) as store:
+                gc.collect()
+                r = await replay(store, requests, content=False, verify=False, concurrency=c)
+            if c not in best or r.blocks / r.seconds > best[c][0]:
+                best[c] = (r.blocks / r.seconds, r)
+    one, many = best[1][0], best[32][0]
+    rows = [{"bench": "core: three-tier replay at concurrency 32", "value": round(many), "unit": "blocks/s",
+             "baseline": round(one), "baseline_is": "the same replay at concurrency 1",
+             "ratio": round(many / one, 3)}]
+    lag = best[32][1].loop_lag_ms
     rows.append({"bench": "core: loop lag p99 at concurrency 32", "value": lag.get("p99"), "unit": "ms",
                  "baseline": None, "baseline_is": f"max {lag.get('max')} ms", "ratio": None})
     return rows
@@ -305,7 +309,7 @@ async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, q
         await metadata_row(1 << 17 if quick else 1 << 20),
     ]
     rows += await loop_hold_rows(rounds=2 if quick else 5)
-    rows += await concurrency_rows(requests, (4096, 16384, 65536), directory)
+    rows += await concurrency_rows(requests, (4096, 16384, 65536), directory, rounds=1 if quick else 2)
     rows.append(await reopen_row(tempfile.mkdtemp(dir=directory), 100_000 if quick else 1_000_000))
     rows += await events_rows(requests, rounds=1 if quick else 2)
     rows.append(await write_through_row(requests, directory, rounds=1 if quick else 2))
