@@ -72,7 +72,7 @@ class Reclaimer:
         while core.free(tier, group) + refilling.get(key, 0) < self.high and not store.closed:
             # at most what the next tier can make room for in one batch (Store._line_batch)
             want = min(self.high - core.free(tier, group) - refilling.get(key, 0),
-                       store._line_batch.get(tier, MAX_BATCH), core.queue_len(tier, group))
+                       store._line_batch[tier], core.queue_len(tier, group))
             if want <= 0:
                 return
             victims = store._pick_victims(tier, group, want, raise_=False)

@@ -105,7 +105,7 @@ class Store:
         self._refill_waiters: dict[tuple[int, int], asyncio.Future] = {}
         # (tier, group) -> the requests short of slots there, first come first served (see _obtain)
         self._lines: dict[tuple[int, int], collections.deque[_InLine]] = {}
-        self._line_batch: dict[int, int] = {}      # tier -> most slots its first in line evicts for those behind
+        self._line_batch: dict[int, int] = {}      # tier -> most slots a demotion batch takes beyond its own need
         self.core: Core | None = None
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
@@ -181,12 +181,6 @@ class Store:
         tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
         third = sum(tier_slots.values()) / 3
         for t in self.tier_ids:
-            # a demotion batch beyond a request's own need (the reserve's, the line's) is at most a
-            # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier
-            # can make room for it from its own evictable pages
-            nxt = self.next_tier[t]
-            self._line_batch[t] = MAX_BATCH if nxt is None else \
-                min([MAX_BATCH] + [max(1, core.capacity(nxt, g) // 4) for g in range(core.n_groups(nxt))])
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
                 continue
@@ -228,6 +222,13 @@ class Store:
         lcs = [(lc.kind == "ssm", lc.window_tokens or 0, lc.sink_tokens, _REUSE_CODE[lc.reuse]) for lc in self.lcs]
         group_of = [[g if capacity[t] else -1 for g in row] for t, row in enumerate(self.group_of)]
         self.core = Core(self.tpb, lcs, group_of, capacity)
+        for t in self.tier_ids:
+            # a demotion batch beyond a request's own need (the reserve's, the line's) is at most a
+            # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier
+            # can make room for it from its own evictable pages
+            nxt = self.next_tier[t]
+            self._line_batch[t] = MAX_BATCH if nxt is None else \
+                min([MAX_BATCH] + [max(1, c // 4) for c in capacity[nxt]])
         self.max_extend = min(capacity[GPU][g] // k for g, k in self.lcs_per_gpu_group.items())
         self.engine = MigrationEngine(self.device, self.lcs, gpu, host, self.disk, cold_bytes)
 
@@ -730,7 +731,7 @@ class Store:
                     # batch would have pushed out the next tier's oldest
                     behind = sum(w.need for w in line) - n
                     extra = min(max(0, behind + (reclaimer.high if reclaimer is not None else 0)
-                                    - self.refilling.get(key, 0)), self._line_batch.get(tier, MAX_BATCH))
+                                    - self.refilling.get(key, 0)), self._line_batch[tier])
                     # pages the background demotion or a write-through copy has claimed are not
                     # evictable, but they are again when it finishes: wait for that rather than fail
                     wt = self.write_through if tier != DISK else None
