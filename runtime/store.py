@@ -41,7 +41,7 @@ from .loop import short_switch_interval
 from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import wait_events
-from .reclaim import MAX_BATCH, Reclaimer
+from .reclaim import MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
 from .recovery import index_recovered, persist
 from .remote import RemoteLink
 from .sequence import Sequence
@@ -179,16 +179,22 @@ class Store:
         # (spread over its groups by their size).
         core = self.core
         tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
-        third = sum(tier_slots.values()) / 3
+        total = sum(tier_slots.values())
+        third = total / 3
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
             if t == self.last_tier:
                 continue
             scale = min(1.0, third / tier_slots[t]) if tier_slots[t] else 1.0
             for g in range(core.n_groups(t)):
-                low = int(core.capacity(t, g) * scale * cfg.reserve)
+                cap = core.capacity(t, g)
+                low = int(cap * scale * cfg.reserve)
                 if low > 0:
-                    r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low)
+                    # the refill step: REFILL_BYTES of pages, within STEP_SHARE of the store (spread
+                    # over the tier's groups by size) and an eighth of the group
+                    step = min(-(-REFILL_BYTES // self.slabs[t][g].spec.slot_bytes),
+                               int(STEP_SHARE * total * cap / tier_slots[t]), cap // 8)
+                    r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low, step)
                     r.start()
                     if t == GPU:
                         self.gpu_reclaimers.append((self.lcs_per_gpu_group.get(g, 0), r))

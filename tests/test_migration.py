@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from runtime import ReusePolicy, Store, TierIOError
+from runtime import LayerSpec, ReusePolicy, Store, TierIOError
 from runtime.tools.oracle import TieredLruBound
 from runtime.pages import GPU
 from runtime.tools.trace import read_trace
@@ -155,7 +155,7 @@ async def test_tier_equivalence_with_plain_lru(tmp_path):
     oracle = PlainLru(g + h + d)
     bound = TieredLruBound((g, h, d))     # the benchmark's lean bound: it must make the store's moves
     cfg = config(gpu=g, host=h, disk=d, disk_dir=tmp_path, tpb=512,
-                 layers=[__import__("runtime").LayerSpec(0, (("k", 64),))], persist_on_close=False)
+                 layers=[LayerSpec(0, (("k", 64),))], persist_on_close=False)
     cfg.gpu.reserve = cfg.host.reserve = 0.0     # the background reserve shrinks capacity by design
     hits = blocks = 0
     async with Store.open(cfg) as store:
@@ -486,7 +486,7 @@ async def test_the_default_reserve_costs_almost_no_hits(tmp_path, split):
     g, h, d = split
     oracle = PlainLru(g + h + d)
     cfg = config(gpu=g, host=h, disk=d, disk_dir=tmp_path, tpb=512,
-                 layers=[__import__("runtime").LayerSpec(0, (("k", 64),))], persist_on_close=False)
+                 layers=[LayerSpec(0, (("k", 64),))], persist_on_close=False)
     assert cfg.gpu.reserve > 0 and cfg.host.reserve > 0          # the defaults: background demotion on
     hits = blocks = 0
     async with Store.open(cfg) as store:
@@ -514,3 +514,20 @@ async def test_the_reserve_is_capped_by_the_whole_store_across_groups(tmp_path):
             assert len(gpu) == groups and len(host) == groups
             assert gpu == [34] * groups             # 1 % of 10000 * (10200 / 3) / 10000, per group
             assert host == [1] * groups             # the host is under a third: 1 % of its own 100
+
+
+@pytest.mark.parametrize("page, gpu_high, host_high", [(4096, 40 + 344, 163 + 344), (16384, 40 + 128, 163 + 163)])
+async def test_small_pages_refill_the_reserve_in_larger_steps(tmp_path, page, gpu_high, host_high):
+    """The reserve refills to its low watermark plus one step: REFILL_BYTES of pages (a batch
+    of 40 pages of 4 KiB costs the loop as much as one of 2 MiB pages), but at most STEP_SHARE
+    of the store's slots (a free slot holds no page: 344 here) and never less than the reserve."""
+    from runtime.reclaim import REFILL_BYTES, STEP_SHARE
+    assert int(STEP_SHARE * (4096 + 16384 + 65536)) == 344
+    assert REFILL_BYTES // 4096 > 344 and REFILL_BYTES // 16384 == 128
+    half = (("k", page // 2), ("v", page // 2))
+    cfg = config(gpu=4096, host=16384, disk=65536, disk_dir=tmp_path, layers=[LayerSpec(0, half)],
+                 persist_on_close=False)
+    async with Store.open(cfg) as store:
+        gpu, host = store.reclaimers[(GPU, 0)], store.reclaimers[(1, 0)]
+        assert (gpu.low, host.low) == (40, 163)
+        assert (gpu.high, host.high) == (gpu_high, host_high)

@@ -65,7 +65,7 @@ class TierConfig:
     quota: int | str | None = None
     slots: int | None = None
     reserve: float = 0.01   # share of each group (of at most a third of the store's slots) kept free by background
-                            # demotion, refilled to twice that; not in the last tier
+                            # demotion, refilled by one step (runtime/reclaim.py); not in the last tier
 
     def resolve(self, field: str) -> None:
         if self.quota is None and self.slots is None:
