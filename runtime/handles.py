@@ -54,13 +54,14 @@ class EventTable:
 class ClaimTable:
     """Claim id -> the future its waiters await (one per batch a move runs)."""
 
-    __slots__ = ("futures",)
+    __slots__ = ("futures", "loop")
 
     def __init__(self) -> None:
         self.futures: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None      # the store's, set when it starts
 
     def open(self, ids: Iterable[int], to_gpu: bool) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop or asyncio.get_running_loop()
         for i in ids:
             fut = loop.create_future()
             fut.to_gpu = to_gpu        # waiters on a promotion get its error

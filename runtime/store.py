@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any, Awaitable, Callable, Sequence as Seq
+from typing import Any, Callable, Coroutine, Sequence as Seq
 
 import numpy as np
 import torch
@@ -107,6 +107,7 @@ class Store:
         self._lines: dict[tuple[int, int], collections.deque[_InLine]] = {}
         self._line_batch: dict[int, int] = {}      # tier -> most slots a demotion batch takes beyond its own need
         self.core: Core | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None     # the loop the store started on
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
         self.disk = None
@@ -160,7 +161,9 @@ class Store:
         await asyncio.shield(self._starting)
 
     async def _start(self) -> None:
-        loop = asyncio.get_running_loop()
+        # the store's loop, kept: on Python 3.11 every asyncio.get_running_loop() is a getpid()
+        # system call, which cost the loop 3 % of its time in the three-tier replay
+        loop = self._loop = self.claims.loop = asyncio.get_running_loop()
         keep_gil_below(LOOP_KEEPS_GIL_BELOW)     # this (the loop's) thread: small inline copies keep the GIL
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
@@ -417,7 +420,7 @@ class Store:
         return out
 
     # -- running sequence operations so that cancellation leaks nothing ----------------------
-    async def _run_exclusive(self, seq: Sequence, coro: Awaitable, undo: Callable[[Sequence, Any], None]) -> None:
+    async def _run_exclusive(self, seq: Sequence, coro: Coroutine, undo: Callable[[Sequence, Any], None]) -> None:
         if seq.busy:
             coro.close()
             raise UsageError("another acquire or extend of this sequence is running")
@@ -443,8 +446,8 @@ class Store:
             raise
         seq.busy = False
 
-    def _spawn(self, coro: Awaitable) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Coroutine) -> asyncio.Task:
+        task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -704,7 +707,7 @@ class Store:
         line.append(me)
         try:
             if len(line) > 1:
-                me.turn = asyncio.get_running_loop().create_future()
+                me.turn = self._loop.create_future()
                 await me.turn
             return await self._obtain_first(tier, group, n, reclaimer, line)
         finally:
@@ -777,7 +780,7 @@ class Store:
         """Wait until a demotion in flight for (tier, group) lands (or fails)."""
         fut = self._refill_waiters.get(key)
         if fut is None or fut.done():
-            fut = self._refill_waiters[key] = asyncio.get_running_loop().create_future()
+            fut = self._refill_waiters[key] = self._loop.create_future()
         await asyncio.shield(fut)       # a cancelled waiter leaves the others' future alone
 
     def _pick_victims(self, tier: int, group: int, need: int, extra: int = 0, raise_: bool = True) -> Pages | None:
