@@ -13,6 +13,7 @@ this module only moves bytes and counts them.
 """
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import logging
@@ -191,7 +192,7 @@ def _rows_of(*pools) -> tuple:
 
 class MigrationEngine:
     __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
-                 "io_read", "tee", "stats", "latency", "fault")
+                 "io_read", "tee", "stats", "latency", "fault", "loop")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
                  cold_bytes: Sequence[int]) -> None:
@@ -209,6 +210,7 @@ class MigrationEngine:
         self.tee = HostStream("kvtier-remote-tee")     # write-through copies: off the loop, beside the copies
         self.stats = MoveStats()
         self.latency = MoveLatency()         # per-batch wall time by direction, for metrics
+        self.loop: asyncio.AbstractEventLoop | None = None   # the store's (set at its start): no lookup per stage
         self.staging = StagingPool(lambda n: device.host_empty(1, n, zero=False).view(-1), STAGING_IDLE_BYTES)
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
@@ -363,7 +365,7 @@ class MigrationEngine:
                 busy[0] += time.perf_counter() - t0
         t_issue = time.perf_counter()
         ev = stream.submit(timed if stream.kind != "cuda" else job, inline=inline)   # CUDA: timed issue to completion
-        await wait_event(ev)
+        await wait_event(ev, self.loop)
         if stream.kind == "cuda":
             busy[0] += time.perf_counter() - t_issue
         return ev

@@ -34,15 +34,16 @@ def event_future(ev: Event, loop: asyncio.AbstractEventLoop | None = None) -> as
     return fut
 
 
-async def wait_event(ev: Event | None) -> None:
-    """Await one event (a done event returns at once, raising its error)."""
+async def wait_event(ev: Event | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Await one event (a done event returns at once, raising its error). Callers that
+    know their loop pass it: on Python 3.11 looking it up is a getpid() system call."""
     if ev is None:
         return
     if ev.query():
         if ev.error is not None:
             raise ev.error
         return
-    await event_future(ev)
+    await event_future(ev, loop)
 
 
 async def wait_events(events: Iterable[Event | None]) -> None:

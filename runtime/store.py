@@ -167,6 +167,7 @@ class Store:
         keep_gil_below(LOOP_KEEPS_GIL_BELOW)     # this (the loop's) thread: small inline copies keep the GIL
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
+            self.engine.loop = loop
             if self.kv_events is not None:
                 self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:

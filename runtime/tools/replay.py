@@ -231,6 +231,7 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
             # at most `concurrency` requests in flight: the next starts when one ends (no task waits
             # in a queue of its own, so a finishing request costs O(1), not a pass over all of them)
             room = asyncio.Semaphore(max(1, concurrency))
+            loop = asyncio.get_running_loop()
             running: set[asyncio.Task] = set()
             failures: list[BaseException] = []
 
@@ -250,7 +251,7 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                         if delay > 0:
                             await asyncio.sleep(delay)
                     await room.acquire()
-                    t = asyncio.ensure_future(one(req))
+                    t = loop.create_task(one(req))
                     running.add(t)
                     t.add_done_callback(ended)
             finally:                            # a stream can fail mid-trace: let the requests in flight end first
