@@ -37,7 +37,7 @@ from .stats import MoveStats
 
 log = logging.getLogger("kvtier")
 INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
-SPILL_CHUNK_BYTES = 32 << 20   # staging bound when scattered host rows are gathered for one disk write
+SPILL_CHUNK_BYTES = 32 << 20   # the most one disk write (one journal frame, one barrier) of a spill takes
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 # upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
 MOVE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -373,9 +373,8 @@ class MigrationEngine:
     def _spill(self, src: np.ndarray, src_slots: list[int], group: int, dst_slots: Sequence[int],
                records: np.ndarray) -> None:
         """Host rows to disk, one disk write (one journal frame, one barrier)
-        per chunk of up to SPILL_CHUNK_BYTES: a chunk of consecutive source
-        slots goes straight from the slab, a scattered one is gathered first
-        (a memcpy is far cheaper than a journal append per run). If a chunk
+        per chunk of up to SPILL_CHUNK_BYTES, straight from the slab: the
+        disk tier writes scattered rows where they are (``index``). If a chunk
         fails, the chunks already written are freed again, so the batch fails
         as a whole and the disk tier holds none of it."""
         per = max(1, SPILL_CHUNK_BYTES // max(1, src.shape[1]))
@@ -386,8 +385,7 @@ class MigrationEngine:
                 if part[-1] - part[0] == len(part) - 1:        # ascending, so one run
                     self.disk.write(group, dst, src[part[0]:part[0] + len(part)], recs)
                 else:
-                    with self.staging.borrow_array(len(part), src.shape[1]) as buf:
-                        self.disk.write(group, dst, gather(src, part, _HOST, out=buf), recs)
+                    self.disk.write(group, dst, src, recs, index=np.asarray(part, dtype=np.int64))
                 done.extend(dst)
         except BaseException:
             if done:

@@ -1179,6 +1179,17 @@ class DiskTier:
             return t
         raise UsageError(f"{what} must be a uint8 CPU tensor of shape ({n}, {width})")
 
+    @staticmethod
+    def _row_index(index: Any, n: int, n_rows: int) -> np.ndarray:
+        """``index`` as an int64 array of ``n`` rows of an array of ``n_rows`` (UsageError otherwise)."""
+        idx = np.asarray(index)
+        if idx.dtype.kind not in "iu" or idx.shape != (n,):
+            raise UsageError(f"index must be {n} integer row numbers, got shape {idx.shape} of {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False)
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
+            raise UsageError(f"index holds a row outside 0..{n_rows - 1}")
+        return idx
+
     def _direct_ok(self, arr: np.ndarray, rows: list[int], g: _Group) -> bool:
         """Can these rows go to/from an O_DIRECT fd as they are (no bounce copy)?"""
         if g.pad:
@@ -1243,10 +1254,13 @@ class DiskTier:
 
     # ---- data path ----
 
-    def write(self, group: int, slots: Iterable[int], rows: torch.Tensor, records: Any) -> None:
+    def write(self, group: int, slots: Iterable[int], rows: torch.Tensor, records: Any,
+              index: np.ndarray | None = None) -> None:
         """Store ``rows[i]`` (a CPU uint8 row of ``slot_bytes``; any row stride) in ``slots[i]`` with
         ``records[i]`` (a ``journal.RECORD`` array, as the core builds it, or PageRecords). Durable when
-        it returns (with ``fsync``); see the module docstring for the order.
+        it returns (with ``fsync``); see the module docstring for the order. With ``index`` (int64, one
+        per slot), ``rows`` is any number of rows (a host slab) and ``slots[i]`` gets ``rows[index[i]]``:
+        scattered rows are written where they are, with no gathering copy.
 
         The slots must be free (``UsageError`` for a live one, a duplicate, or one outside the group).
         ``DiskFullError`` when the segment cannot grow (filesystem full, a file size limit, or
@@ -1259,7 +1273,11 @@ class DiskTier:
         recs = journal.as_records(records, n)
         if n and journal.malformed(recs, stored=False).any():
             raise UsageError("records with an unknown key form or a priority above 100")
-        arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
+        if index is None:
+            arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
+        else:
+            arr = self._as_rows(rows, len(rows), g.slot_bytes, "rows", writable=False)
+            index = self._row_index(index, n, len(arr))
         if n == 0:
             return
         # One writer per group at a time (write_lock); the group lock only around what reads
@@ -1289,8 +1307,9 @@ class DiskTier:
                 parallel = g.direct or n * g.stride >= PARALLEL_MIN_BYTES
                 # one piece, one native call: a page-cache batch's runs need no Python each
                 pcs = g.pieces(sorted_slots) if parallel else [(0, n)]
-                tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, order, sorted_slots, hashes, a, b),
-                                           pcs, parallel))
+                src = order if index is None else index[order]     # the row of each slot, in slot order
+                tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, src, order, sorted_slots, hashes,
+                                                                          a, b), pcs, parallel))
                 if self.fsync:
                     os.fdatasync(g.seg_fd)
             except OSError as e:
@@ -1317,13 +1336,15 @@ class DiskTier:
                                 io_seconds=t3 - t1)
                 self._maybe_checkpoint(g)
 
-    def _write_piece(self, g: _Group, arr: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
-                     hashes: np.ndarray, a: int, b: int) -> float:
-        """Checksum and write rows ``order[a:b]`` to slots ``sorted_slots[a:b]`` (adjacent when it bounces
-        through an aligned buffer; else one native call, a pwritev per run of adjacent slots); returns
-        the seconds spent hashing. Runs on the I/O pool (hashing overlaps other I/O)."""
+    def _write_piece(self, g: _Group, arr: np.ndarray, src: np.ndarray, order: np.ndarray,
+                     sorted_slots: np.ndarray, hashes: np.ndarray, a: int, b: int) -> float:
+        """Checksum and write rows ``src[a:b]`` of ``arr`` to slots ``sorted_slots[a:b]`` (adjacent when it
+        bounces through an aligned buffer; else one native call, a pwritev per run of adjacent slots);
+        their checksums go to ``hashes[order[a:b]]`` (the batch's order). Returns the seconds spent
+        hashing. Runs on the I/O pool (hashing overlaps other I/O)."""
         off = int(sorted_slots[a]) * g.stride
-        rows = order[a:b]
+        rows = src[a:b]
+        at = order[a:b]
         k = b - a
         if g.direct and not self._direct_ok(arr, rows, g):
             bounce = self._bounce_get(k * g.stride)
@@ -1332,14 +1353,14 @@ class DiskTier:
                 for j, i in enumerate(rows.tolist()):
                     staged[j] = arr[i]
                 t = time.perf_counter()
-                hashes[rows] = xxh64_rows(staged)
+                hashes[at] = xxh64_rows(staged)
                 tck = time.perf_counter() - t
                 _pwritev_all(g.seg_fd, [memoryview(bounce[1])[:k * g.stride]], off)
             finally:
                 self._bounce_put(bounce)
             return tck
         t = time.perf_counter()
-        hashes[rows] = xxh64_rows(arr, rows)
+        hashes[at] = xxh64_rows(arr, rows)
         tck = time.perf_counter() - t
         pwrite_rows(g.seg_fd, arr, rows, sorted_slots[a:b] * g.stride, g.stride)
         return tck
