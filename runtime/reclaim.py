@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier")
 MAX_BATCH = 256
-REFILL_BYTES = 2 << 20      # a refill step moves at least this much where STEP_SHARE allows
-STEP_SHARE = 0.004          # ... and leaves at most this share of the store's slots free
+REFILL_BYTES = 2 << 20      # a refill step is up to this many bytes of pages (at least the reserve) ...
+STEP_SHARE = 0.004          # ... and at most this share of the store's slots per tier, and an eighth of the group
 
 
 class Reclaimer:

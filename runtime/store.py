@@ -349,6 +349,9 @@ class Store:
             raise StoreClosedError("store is closing")
         if (tokens is None) == (block_keys is None):
             raise UsageError("pass exactly one of tokens= or block_keys=")
+        if asyncio.get_running_loop() is not self._loop:
+            raise UsageError("the store runs on the event loop it was opened on: use it from that loop "
+                             "(asyncio.run_coroutine_threadsafe from other threads)")
         if priority is None:
             priority = self.cfg.default_priority
         elif not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
@@ -359,8 +362,7 @@ class Store:
             if len(token_arr) <= HASH_ON_LOOP_TOKENS:
                 keys = hash_blocks(token_arr, self.tpb, self.cfg.hash_salt)
             else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
-                keys = await asyncio.get_running_loop().run_in_executor(
-                    None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
+                keys = await self._loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
             self._check()                   # the store may have closed meanwhile
             sid, matched, by_tier = core.open(keys, priority)
             self._keep_tokens(sid, token_arr, len(keys))

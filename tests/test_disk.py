@@ -136,7 +136,8 @@ def test_write_takes_scattered_rows_of_a_slab_by_index(tmp_path, mode, aligned):
     slab = torch.from_numpy(flat[start:start + n_rows * width].reshape(n_rows, width))
     slab.copy_(rows_for(list(range(1000, 1000 + n_rows)), width))
     rng = np.random.default_rng(7)
-    index = rng.permutation(n_rows)[:40]          # 40 distinct rows, in no order
+    index = rng.permutation(n_rows)[:40]          # 40 rows, in no order (one of them twice)
+    index[7] = index[30]
     slots = rng.permutation(256)[:40].tolist()    # to 40 distinct slots, in no order
     tier = open_tier(tmp_path / "d", groups=[(width, 256)], o_direct=mode)
     try:
@@ -145,13 +146,15 @@ def test_write_takes_scattered_rows_of_a_slab_by_index(tmp_path, mode, aligned):
         tier.read(0, slots, out)
         assert torch.equal(out, slab[torch.from_numpy(index)])
         assert tier.verify_all() == []
-        before = out.clone()
         free = [s for s in range(256) if s not in slots][:2]
-        for bad, what in (([0, n_rows], "outside"), ([0.5, 1.0], "integer"), ([0, 1, 2], "integer row numbers")):
+        for bad, what in (([0, n_rows], "outside"), ([-1, 0], "outside"), ([0.5, 1.0], "integer"),
+                          ([True, False], "integer"), ([0, 1, 2], "integer row numbers")):
             with pytest.raises(UsageError, match=what):
                 tier.write(0, free, slab, [rec(1), rec(2)], index=np.asarray(bad))
-        tier.read(0, slots, out)                  # nothing stored was touched by the refused writes
-        assert torch.equal(out, before)
+        with pytest.raises(UsageError, match="2-D"):
+            tier.write(0, free, slab[0], [rec(1), rec(2)], index=[0, 1])
+        tier.write(0, [], slab, [], index=[])     # an empty batch is a no-op, with or without rows
+        assert sorted(tier.live_slots(0)) == sorted(slots)     # the refused writes took no slot
     finally:
         tier.close()
     del slab, flat

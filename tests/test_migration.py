@@ -477,12 +477,16 @@ async def test_the_first_in_line_is_not_starved_by_requests_that_fit():
 
 
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="needs ../shared/traces beside the checkout")
-@pytest.mark.parametrize("split", [(3000, 1000, 500), (4000, 4000, 4000), (6000, 200, 200)])
-async def test_the_default_reserve_costs_almost_no_hits(tmp_path, split):
+@pytest.mark.parametrize("trace, n, split", [("synthetic", 2000, (3000, 1000, 500)),
+                                             ("synthetic", 2000, (4000, 4000, 4000)),
+                                             ("synthetic", 2000, (6000, 200, 200)),
+                                             ("conversation", 4000, (1000, 3000, 6000))])
+async def test_the_default_reserve_costs_almost_no_hits(tmp_path, trace, n, split):
     """Issue 12, item 7: with default settings (the background reserve on) the hit rate stays
     within 0.3 percentage points of one LRU of the summed capacity, at GPU-heavy splits too
-    (the old 3 % reserve, refilled to 6 %, cost up to a point). First 2000 requests."""
-    requests = read_trace(TRACE)[0][:2000]
+    (the old 3 % reserve, refilled to 6 %, cost up to a point). The conversation split is the
+    worst measured since the reserve refills in larger steps (0.23-0.24 points)."""
+    requests = read_trace(os.path.join(os.path.dirname(TRACE), f"{trace}_trace.jsonl"))[0][:n]
     g, h, d = split
     oracle = PlainLru(g + h + d)
     cfg = config(gpu=g, host=h, disk=d, disk_dir=tmp_path, tpb=512,

@@ -1,6 +1,8 @@
 """Store semantics: content through tiers, reuse policies, eviction, errors."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from runtime import (LayerSpec, OutOfPagesError, ReusePolicy, Store, StoreClosed
 from runtime.tools.content import matches
 from runtime.keys import hash_blocks
 
-from helpers import config, expected_block, fill, read_block, toks, two_life_cycles, write_blocks
+from helpers import config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles, write_blocks
 
 
 async def test_pages_survive_host_and_disk_bit_exact(tmp_path):
@@ -244,3 +246,19 @@ def test_block_keys_are_stable_across_processes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == hash_blocks(list(range(64)), 16, b"s")[-1].hex()
     assert hash_blocks(list(range(64)), 16, b"s") != hash_blocks(list(range(64)), 16, b"t")
+
+
+def test_a_store_used_from_another_event_loop_says_so(tmp_path):
+    """The store's tasks and futures live on the loop it started on: another loop gets a
+    UsageError that says so, not asyncio's "attached to a different loop" half-way through."""
+    store = Store.open(config(gpu=64, host=64, disk=512, disk_dir=tmp_path, persist_on_close=False))
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        first.run_until_complete(store.start())
+        with pytest.raises(UsageError, match="event loop it was opened on"):
+            second.run_until_complete(store.open_sequence(block_keys=[1, 2]))
+        assert first.run_until_complete(prefill_keys(store, [1, 2])) == 0    # its own loop still serves
+        first.run_until_complete(store.close())
+    finally:
+        first.close()
+        second.close()

@@ -1183,6 +1183,8 @@ class DiskTier:
     def _row_index(index: Any, n: int, n_rows: int) -> np.ndarray:
         """``index`` as an int64 array of ``n`` rows of an array of ``n_rows`` (UsageError otherwise)."""
         idx = np.asarray(index)
+        if idx.size == 0 and n == 0:
+            return np.zeros(0, dtype=np.int64)
         if idx.dtype.kind not in "iu" or idx.shape != (n,):
             raise UsageError(f"index must be {n} integer row numbers, got shape {idx.shape} of {idx.dtype}")
         idx = idx.astype(np.int64, copy=False)
@@ -1276,7 +1278,10 @@ class DiskTier:
         if index is None:
             arr = self._as_rows(rows, n, g.slot_bytes, "rows", writable=False)
         else:
-            arr = self._as_rows(rows, len(rows), g.slot_bytes, "rows", writable=False)
+            shape = tuple(getattr(rows, "shape", ()))
+            if len(shape) != 2:
+                raise UsageError(f"rows must be a 2-D array of rows of {g.slot_bytes} bytes, got shape {shape}")
+            arr = self._as_rows(rows, shape[0], g.slot_bytes, "rows", writable=False)
             index = self._row_index(index, n, len(arr))
         if n == 0:
             return
