@@ -64,6 +64,8 @@ def test_replay_names_its_errors_and_refuses_flags_beside_a_config(tmp_path):
     assert "holds 4" in out["error_examples"]["UsageError"]          # 8 blocks into 4 GPU slots
     r = kvtier("replay", str(trace), "--config", "examples/kv.toml", "--gpu-blocks", "64", check=False)
     assert r.returncode == 2 and "--gpu-blocks cannot be combined with --config" in r.stderr
+    r = kvtier("replay", str(trace), "--speed", "10", check=False)
+    assert r.returncode == 2 and "--speed needs --honor-timestamps" in r.stderr
 
 
 def test_demo_runs_end_to_end():

@@ -180,6 +180,12 @@ def test_parse_size_errors(value):
     assert ei.value.field == "tiers.host.quota"
 
 
+@pytest.mark.parametrize("value", ["-5GiB", " -1", "-0.5 MiB"])
+def test_a_negative_size_is_named_as_such(value):
+    with pytest.raises(ConfigError, match="must be positive"):
+        parse_size(value, "tiers.host.quota")
+
+
 # -- invalid configs ------------------------------------------------------------
 
 def base(tmp_path=None):

@@ -174,6 +174,8 @@ def cmd_replay(args) -> int:
         if given:
             raise UsageError(f"{', '.join(given)} cannot be combined with --config: the config sets the tiers, "
                              "page size and device")
+    if args.speed != 1.0 and not args.honor_timestamps:
+        raise UsageError("--speed needs --honor-timestamps (without it requests start back to back)")
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
         cfg = load_config(args.config) if args.config else _flag_config(args, tmp)
         out = run(main(cfg))
