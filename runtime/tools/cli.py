@@ -186,7 +186,11 @@ def cmd_replay(args) -> int:
     if not out["requests"]:
         print(f"kvtier: error: no request in {args.trace!r} could be read", file=sys.stderr)
         return 1
-    return 1 if out["corrupt_pages"] else 0
+    failed = sum(out["errors"].values())
+    if failed:      # a script must not take a replay that dropped requests for a clean one
+        print(f"kvtier: error: {failed} of {out['requests']} requests failed: "
+              + "; ".join(f"{k}: {out['error_examples'].get(k, '')}" for k in out["errors"]), file=sys.stderr)
+    return 1 if out["corrupt_pages"] or failed else 0
 
 
 def _print_replay(out: dict) -> None:
