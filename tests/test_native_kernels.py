@@ -80,6 +80,44 @@ def test_row_io_round_trip_with_pad_and_runs(tmp_path):
         assert np.array_equal(out[back], src[order])
 
 
+def test_row_io_write_hashes_and_syncs_in_the_same_call(tmp_path):
+    """pwrite_rows with hashes= and sync=: the checksums are xxh64_rows' of the same rows, in the
+    batch's order, the file holds the rows, and a bad hashes length writes nothing."""
+    from tiers.native import pwrite_rows, xxh64_rows
+    stride, src = 64, rows(40)
+    slots = np.array([3, 4, 5, 11, 20], dtype=np.int64)
+    order = np.array([9, 2, 2, 30, 0], dtype=np.int64)
+    with open(tmp_path / "seg", "w+b") as f:
+        got = np.zeros(5, dtype=np.uint64)
+        seconds = pwrite_rows(f.fileno(), src, order, slots * stride, stride, got, True)
+        assert seconds >= 0.0 and got.tolist() == xxh64_rows(src, order).tolist()
+        raw = np.frombuffer((tmp_path / "seg").read_bytes(), dtype=np.uint8)
+        for s, r in zip(slots, order):
+            assert np.array_equal(raw[s * stride:s * stride + 48], src[r])
+        assert pwrite_rows(f.fileno(), src, order, slots * stride, stride) == 0.0      # no hashes asked
+        with pytest.raises(ValueError, match="one entry per row"):
+            pwrite_rows(f.fileno(), src, order, slots * stride + 4096, stride, np.zeros(4, dtype=np.uint64))
+        assert len((tmp_path / "seg").read_bytes()) == len(raw)                     # nothing written
+        with pytest.raises(TypeError):                    # hashes of another dtype: no silent temporary
+            pwrite_rows(f.fileno(), src, order, slots * stride, stride, np.zeros(5, dtype=np.int64))
+
+
+def test_pwrite_all_writes_at_its_offset_and_names_its_errno(tmp_path):
+    from tiers.native import pwrite_all
+    with open(tmp_path / "j", "w+b") as f:
+        pwrite_all(f.fileno(), b"hello", 0, True)
+        pwrite_all(f.fileno(), b"world" * 1000, 3, False)
+        assert (tmp_path / "j").read_bytes() == b"hel" + b"world" * 1000
+    (tmp_path / "ro").write_bytes(b"")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as e:
+            pwrite_all(fd, b"x", 0, True)
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
 def test_row_io_short_read_at_end_of_file_and_errors(tmp_path):
     from tiers.native import pread_rows, pwrite_rows
     stride, src = 64, rows(4)

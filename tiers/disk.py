@@ -124,7 +124,7 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import argsort_i64, pread_rows, pwrite_rows, xxh64_rows
+from .native import argsort_i64, pread_rows, pwrite_all, pwrite_rows, xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 from .units import human_bytes
@@ -1035,9 +1035,7 @@ class DiskTier:
             if g.dir_unsynced:        # a compaction's rename is not durable yet: nothing after it would be
                 _fsync_dir(self.path)
                 g.dir_unsynced = False
-            _pwritev_all(g.journal_fd, [frame], start)
-            if self.fsync:
-                os.fdatasync(g.journal_fd)
+            pwrite_all(g.journal_fd, frame, start, self.fsync)     # the frame and its barrier: one GIL release
         except OSError as e:
             try:
                 os.ftruncate(g.journal_fd, start)
@@ -1310,13 +1308,19 @@ class DiskTier:
             try:
                 self._fault("write")
                 parallel = g.direct or n * g.stride >= PARALLEL_MIN_BYTES
-                # one piece, one native call: a page-cache batch's runs need no Python each
-                pcs = g.pieces(sorted_slots) if parallel else [(0, n)]
                 src = order if index is None else index[order]     # the row of each slot, in slot order
-                tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, src, order, sorted_slots, hashes,
-                                                                          a, b), pcs, parallel))
-                if self.fsync:
-                    os.fdatasync(g.seg_fd)
+                if parallel:
+                    tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, src, order, sorted_slots,
+                                                                              hashes, a, b),
+                                               g.pieces(sorted_slots), True))
+                    if self.fsync:
+                        os.fdatasync(g.seg_fd)
+                else:
+                    # a page-cache batch: checksums, writes and barrier in one native call, which gives
+                    # the GIL up once (each time costs a wait to get it back behind a busy loop)
+                    got = np.empty(n, dtype=np.uint64)
+                    tck = pwrite_rows(g.seg_fd, arr, src, sorted_slots * g.stride, g.stride, got, self.fsync)
+                    hashes[order] = got
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
             # 3. the records (with any other pending frees of the group), then a barrier

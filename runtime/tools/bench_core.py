@@ -60,9 +60,10 @@ async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequenc
     bare = _bare(requests, sum(tiers))
     ours, res = -1.0, None
     for _ in range(rounds):
-        async with Store.open(_config(tiers, tempfile.mkdtemp(dir=directory), fsync)) as store:
-            gc.collect()
-            r = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
+        with tempfile.TemporaryDirectory(dir=directory) as sub:    # a replay's segments go with it
+            async with Store.open(_config(tiers, sub, fsync)) as store:
+                gc.collect()
+                r = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
         if r.blocks / r.seconds > ours:
             ours, res = r.blocks / r.seconds, r
     return {"bench": name, "value": round(ours), "unit": "blocks/s", "baseline": round(bare),
@@ -215,10 +216,10 @@ async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int
     best: dict[int, tuple[float, object]] = {}
     for _ in range(rounds):
         for c in (1, 32):
-            sub = tempfile.mkdtemp(dir=directory)
-            async with Store.open(_config(tiers, sub)) as store:
-                gc.collect()
-                r = await replay(store, requests, content=False, verify=False, concurrency=c)
+            with tempfile.TemporaryDirectory(dir=directory) as sub:
+                async with Store.open(_config(tiers, sub)) as store:
+                    gc.collect()
+                    r = await replay(store, requests, content=False, verify=False, concurrency=c)
             if c not in best or r.blocks / r.seconds > best[c][0]:
                 best[c] = (r.blocks / r.seconds, r)
     one, many = best[1][0], best[32][0]
@@ -287,12 +288,13 @@ async def write_through_row(requests: Sequence[TraceRequest], directory: str, ro
     wt: dict = {}
     for _ in range(rounds):
         for write in ("back", "through"):
-            async with Store.open(_config(tiers, tempfile.mkdtemp(dir=directory), fsync=True, write=write)) as store:
-                res = await replay(store, requests, content=False, verify=False)
-                st = store.stats()
-                moved[write] = st["moves"].get("host->disk", {}).get("pages", 0)
-                if write == "through":
-                    wt = st["write_through"]
+            with tempfile.TemporaryDirectory(dir=directory) as sub:
+                async with Store.open(_config(tiers, sub, fsync=True, write=write)) as store:
+                    res = await replay(store, requests, content=False, verify=False)
+                    st = store.stats()
+                    moved[write] = st["moves"].get("host->disk", {}).get("pages", 0)
+                    if write == "through":
+                        wt = st["write_through"]
             best[write] = max(best[write], res.blocks / res.seconds)
     return {"bench": "core: three-tier replay, disk write = through (fsync on)", "value": round(best["through"]),
             "unit": "blocks/s", "baseline": round(best["back"]), "baseline_is": "same replay, write = back",

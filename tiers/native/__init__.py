@@ -19,6 +19,8 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
-from tiers._native import argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_rows, xxh64, xxh64_rows  # noqa: E402
+from tiers._native import (argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
+                           xxh64, xxh64_rows)
 
-__all__ = ["argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_rows", "xxh64", "xxh64_rows"]
+__all__ = ["argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_all", "pwrite_rows", "xxh64",
+           "xxh64_rows"]
