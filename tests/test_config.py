@@ -184,6 +184,8 @@ def test_parse_size_errors(value):
 def test_a_negative_size_is_named_as_such(value):
     with pytest.raises(ConfigError, match="must be positive"):
         parse_size(value, "tiers.host.quota")
+    with pytest.raises(ConfigError, match="invalid size"):
+        parse_size("-" + value.strip() + "x", "tiers.host.quota")     # not a size at all
 
 
 # -- invalid configs ------------------------------------------------------------

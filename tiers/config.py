@@ -34,7 +34,7 @@ def parse_size(value: Any, field: str) -> int:
         n = int(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if re.fullmatch(r"\s*-.*", value):
+        if re.fullmatch(r"\s*-\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*", value):
             raise ConfigError(field, f"must be positive, got {value!r}")
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(field, f"invalid size {value!r} (use e.g. 4096, \"512MiB\", \"8GiB\")")
