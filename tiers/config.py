@@ -33,12 +33,12 @@ def parse_size(value: Any, field: str) -> int:
     if isinstance(value, (int, float)):
         n = int(value)
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if re.fullmatch(r"\s*-\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*", value):
+        m = re.fullmatch(r"\s*(-?)\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(1):
             raise ConfigError(field, f"must be positive, got {value!r}")
-        if not m or m.group(2).lower() not in _UNITS:
+        if not m or m.group(3).lower() not in _UNITS:
             raise ConfigError(field, f"invalid size {value!r} (use e.g. 4096, \"512MiB\", \"8GiB\")")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
     else:
         raise ConfigError(field, f"invalid size {value!r}")
     if n <= 0:

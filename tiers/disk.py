@@ -1315,12 +1315,8 @@ class DiskTier:
                                                g.pieces(sorted_slots), True))
                     if self.fsync:
                         os.fdatasync(g.seg_fd)
-                else:
-                    # a page-cache batch: checksums, writes and barrier in one native call, which gives
-                    # the GIL up once (each time costs a wait to get it back behind a busy loop)
-                    got = np.empty(n, dtype=np.uint64)
-                    tck = pwrite_rows(g.seg_fd, arr, src, sorted_slots * g.stride, g.stride, got, self.fsync)
-                    hashes[order] = got
+                else:   # a page-cache batch: one piece, its barrier in the same native call
+                    tck = self._write_piece(g, arr, src, order, sorted_slots, hashes, 0, n, sync=self.fsync)
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
             # 3. the records (with any other pending frees of the group), then a barrier
@@ -1346,11 +1342,13 @@ class DiskTier:
                 self._maybe_checkpoint(g)
 
     def _write_piece(self, g: _Group, arr: np.ndarray, src: np.ndarray, order: np.ndarray,
-                     sorted_slots: np.ndarray, hashes: np.ndarray, a: int, b: int) -> float:
+                     sorted_slots: np.ndarray, hashes: np.ndarray, a: int, b: int, sync: bool = False) -> float:
         """Checksum and write rows ``src[a:b]`` of ``arr`` to slots ``sorted_slots[a:b]`` (adjacent when it
-        bounces through an aligned buffer; else one native call, a pwritev per run of adjacent slots);
-        their checksums go to ``hashes[order[a:b]]`` (the batch's order). Returns the seconds spent
-        hashing. Runs on the I/O pool (hashing overlaps other I/O)."""
+        bounces through an aligned buffer; else one native call, a pwritev per run of adjacent slots, which
+        gives the GIL up once for the checksums, the writes and, with ``sync``, the segment's fdatasync:
+        each time costs a wait to get it back behind a busy loop); their checksums go to
+        ``hashes[order[a:b]]`` (the batch's order). Returns the seconds spent hashing. Runs on the I/O
+        pool (hashing overlaps other I/O)."""
         off = int(sorted_slots[a]) * g.stride
         rows = src[a:b]
         at = order[a:b]
@@ -1365,13 +1363,14 @@ class DiskTier:
                 hashes[at] = xxh64_rows(staged)
                 tck = time.perf_counter() - t
                 _pwritev_all(g.seg_fd, [memoryview(bounce[1])[:k * g.stride]], off)
+                if sync:
+                    os.fdatasync(g.seg_fd)
             finally:
                 self._bounce_put(bounce)
             return tck
-        t = time.perf_counter()
-        hashes[at] = xxh64_rows(arr, rows)
-        tck = time.perf_counter() - t
-        pwrite_rows(g.seg_fd, arr, rows, sorted_slots[a:b] * g.stride, g.stride)
+        got = np.empty(k, dtype=np.uint64)
+        tck = pwrite_rows(g.seg_fd, arr, rows, sorted_slots[a:b] * g.stride, g.stride, got, sync)
+        hashes[at] = got
         return tck
 
     def _expected(self, g: _Group, slots: np.ndarray) -> np.ndarray:

@@ -234,26 +234,15 @@ double pwrite_rows(int fd, Rows rows, Index index, Index offsets, size_t stride,
 // The file's bytes at `offset` <- `data`, all of them (short writes continued), then with `sync`
 // an fdatasync: one GIL release. OSError (with errno) on failure, the file then as far as it got.
 void pwrite_all(int fd, nb::bytes data, int64_t offset, bool sync) {
-  const char* p = data.c_str();
-  size_t left = data.size();
-  int err = 0;
+  // the bytes as one row at one offset: move_rows continues short writes and retries EINTR
+  const int64_t row = 0;
+  kvtier::RowIo io{reinterpret_cast<uint8_t*>(const_cast<char*>(data.c_str())), 0, data.size(), data.size(), &row,
+                   &offset, data.size() ? size_t(1) : size_t(0), nullptr};
+  int64_t moved = 0;
+  int err;
   {
     nb::gil_scoped_release nogil;
-    while (left) {
-      ssize_t k = ::pwrite(fd, p, left, off_t(offset));
-      if (k < 0) {
-        if (errno == EINTR) continue;
-        err = errno;
-        break;
-      }
-      if (k == 0) {
-        err = EIO;                      // a write that moves nothing would loop forever
-        break;
-      }
-      p += k;
-      left -= size_t(k);
-      offset += k;
-    }
+    err = kvtier::move_rows(io, fd, true, &moved);
     if (!err && sync) err = sync_data(fd);
   }
   if (err) raise_errno(err, "pwrite_all");
