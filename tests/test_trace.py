@@ -174,6 +174,35 @@ async def test_strict_stops_at_the_first_bad_line_with_requests_in_flight(tmp_pa
         store.check_consistency()                    # the requests in flight ended before the error came out
 
 
+async def test_concurrent_replay_of_a_list_keeps_order_and_bound_and_stops_at_a_failure():
+    """The workers take requests in trace order, at most ``concurrency`` in flight; an error that is
+    not a request's own stops them taking more, and comes out once the requests in flight ended."""
+    requests = [trace._parse(json.loads(line([i, 1000 + i]))) for i in range(60)]
+    async with Store.open(config(gpu=64)) as store:
+        opened, live, peak = [], [0], [0]
+        real_open = store.open_sequence
+
+        async def open_sequence(**kw):
+            key = kw["block_keys"][0]
+            opened.append(key)
+            if key == 30:
+                raise RuntimeError("boom at request 30")
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            return await real_open(**kw)
+
+        def ended(n: int) -> None:
+            live[0] -= n
+        store.open_sequence = open_sequence
+        res = await replay(store, requests[:30], content=True, verify=True, concurrency=4, progress=ended)
+        assert opened == list(range(30)) and peak[0] == 4 and res.requests == 30 and res.corrupt_pages == 0
+        opened.clear()
+        with pytest.raises(RuntimeError, match="boom at request 30"):
+            await replay(store, requests, content=False, verify=False, concurrency=4, progress=ended)
+        assert opened == list(range(31)) and live[0] == 0      # none taken after it; those in flight ended
+        store.check_consistency()
+
+
 # -- a large trace: incremental, bounded, and the loop keeps ticking ---------------------------------------
 @pytest.fixture(scope="module")
 def large_traces(tmp_path_factory) -> dict:

@@ -11,7 +11,7 @@ import asyncio
 import collections
 import dataclasses
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import torch
 
@@ -131,6 +131,39 @@ async def _each(requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest]) 
             await source.aclose()
 
 
+async def _workers(n: int, requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest],
+                   each: AsyncIterator[TraceRequest], one: Callable[[TraceRequest], Awaitable[None]]) -> None:
+    """Serve ``requests`` in order with ``n`` worker tasks. The first error
+    that is not a request's own (those ``one`` counts) stops every worker from
+    taking more; the others finish what they hold, then it is raised."""
+    failures: list[BaseException] = []
+    if isinstance(requests, AsyncIterable):
+        lock = asyncio.Lock()
+
+        async def take() -> TraceRequest | None:
+            async with lock:
+                return await anext(each, None)
+    else:
+        it = iter(requests)
+
+        async def take() -> TraceRequest | None:
+            return next(it, None)
+
+    async def worker() -> None:
+        try:
+            while not failures:
+                req = await take()
+                if req is None:
+                    return
+                await one(req)
+        except BaseException as exc:        # noqa: BLE001 - kept, raised once every worker is done
+            failures.append(exc)
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(*(loop.create_task(worker()) for _ in range(max(1, n))))
+    if failures:
+        raise failures[0]
+
+
 async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest], *,
                  concurrency: int = 1, honor_timestamps: bool = False, speed: float = 1.0, content: bool = True,
                  verify: bool = True, progress: Callable[[int], None] | None = None) -> ReplayResult:
@@ -227,9 +260,14 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                     await alone(req)
                     if not i % YIELD_EVERY:     # requests served from the GPU never suspend: let others run
                         await asyncio.sleep(0)
+        elif not honor_timestamps:
+            # `concurrency` workers, each taking the next request when its last one ends: no task
+            # and no semaphore per request (a stream is read under a lock: one reader at a time)
+            await _workers(concurrency, requests, each, one)
         else:
-            # at most `concurrency` requests in flight: the next starts when one ends (no task waits
-            # in a queue of its own, so a finishing request costs O(1), not a pass over all of them)
+            # at most `concurrency` requests in flight, each started at its time: the next starts
+            # when one ends (no task waits in a queue of its own, so a finishing request costs
+            # O(1), not a pass over all of them)
             room = asyncio.Semaphore(max(1, concurrency))
             loop = asyncio.get_running_loop()
             running: set[asyncio.Task] = set()
@@ -245,11 +283,10 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                 async for req in each:
                     if failures:
                         break
-                    if honor_timestamps:
-                        base = req.timestamp if base is None else base
-                        delay = (req.timestamp - base) / 1000.0 / speed - (time.perf_counter() - t0)
-                        if delay > 0:
-                            await asyncio.sleep(delay)
+                    base = req.timestamp if base is None else base
+                    delay = (req.timestamp - base) / 1000.0 / speed - (time.perf_counter() - t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
                     await room.acquire()
                     t = loop.create_task(one(req))
                     running.add(t)
