@@ -98,6 +98,8 @@ class Store:
         self.events = EventTable()
         self.claims = ClaimTable()
         self._tasks: set[asyncio.Task] = set()
+        self._frees: collections.deque[tuple[int, list[int]]] = collections.deque()   # see _disk_free
+        self._frees_queued = False
         self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
         # (tier, group) -> slots that demotions in flight will give back to the free pool (the
         # reclaimer's batches and on-demand evictions' extra): what refills the reserve already
@@ -655,8 +657,28 @@ class Store:
                                         self.disk.relabel(g, slots, records), event=False)
 
     def _disk_free(self, group: int, slots: list[int]) -> None:
-        """Forget disk slots, in order with the writes that may reuse them."""
-        self.engine.io_write.submit(lambda: self.disk.free(group, slots), event=False)
+        """Forget disk slots, in order with the writes that may reuse them. Frees gather into one
+        job on the write stream: a free made while that job has not started joins it, so the disk
+        thread takes the GIL once for many (each time a wait behind a busy loop).
+
+        Order: a free's job is queued before any write submitted after it. The job clears
+        ``_frees_queued`` before it drains the deque (append and popleft are atomic), so a free
+        appended after the drain began finds it clear and queues a job of its own."""
+        self._frees.append((group, slots))
+        if not self._frees_queued:
+            self._frees_queued = True
+            self.engine.io_write.submit(self._apply_disk_frees, event=False)
+
+    def _apply_disk_frees(self) -> None:
+        """On the disk write thread: the frees gathered so far (see _disk_free)."""
+        self._frees_queued = False
+        frees = self._frees
+        while frees:
+            group, slots = frees.popleft()
+            try:
+                self.disk.free(group, slots)
+            except Exception as exc:        # noqa: BLE001 - as a job of its own would: logged, the rest go on
+                log.warning("%s: background job failed: %r", self.engine.io_write.name, exc)
 
     def records(self, pages: Pages) -> np.ndarray:
         """The disk journal records of ``pages`` (anonymous for uncommitted ones), one array."""

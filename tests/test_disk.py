@@ -870,3 +870,42 @@ def test_reads_go_on_while_a_write_is_in_its_data_phase(tmp_path, monkeypatch):
                               rows_for(list(range(100, 110)), 4096).numpy())
     finally:
         again.close()
+
+
+# ---- the store's frees on the write stream --------------------------------------------------------
+
+async def test_store_frees_made_before_the_job_runs_join_it_and_stay_ordered_with_writes(tmp_path):
+    """Disk frees the store makes while its free job waits in the write stream join that job
+    (one GIL hand-off for many); a write into a freed slot, submitted after the free, still
+    runs after it; a free made once the job has begun queues a job of its own."""
+    import threading
+
+    from helpers import config
+    from runtime import Store
+
+    async with Store.open(config(gpu=8, host=8, disk=32, disk_dir=tmp_path)) as store:
+        tier, stream = store.disk, store.engine.io_write
+        write_keys(tier, 0, [0, 1, 2, 3], [10, 11, 12, 13])
+        gate, started = threading.Event(), threading.Event()
+        blocker = stream.submit(lambda: (started.set(), gate.wait(10)))
+        assert started.wait(10)
+        queued = stream._queued
+        store._disk_free(0, [0])
+        store._disk_free(0, [1, 2])
+        assert stream._queued == queued + 1             # one job for both frees
+        width = tier.groups[0].slot_bytes
+        written = stream.submit(lambda: tier.write(0, [2], rows_for([99], width), [rec(99)]))
+        gate.set()
+        blocker.synchronize()
+        written.synchronize()
+        assert (read_back(tier, 0, [2])[0].numpy() == page_bytes(99, width)).all()   # the free came first
+        assert (read_back(tier, 0, [3])[0].numpy() == page_bytes(13, width)).all()
+        assert tier.groups[0].n_live == 2 and not tier.groups[0].live[[0, 1]].any()
+        done = threading.Event()
+        stream.submit(lambda: done.wait(10), event=False)
+        queued = stream._queued
+        store._disk_free(0, [3])                         # the previous job has run: a job of its own
+        assert stream._queued == queued + 1
+        done.set()
+        stream.synchronize()
+        assert not tier.groups[0].live[3]
