@@ -29,29 +29,34 @@ class StagingPool:
 
     def __init__(self, alloc: Callable[[int], torch.Tensor], limit: int) -> None:
         self._alloc = alloc               # nbytes -> flat uint8 host tensor (aligned, pinned as needed)
-        # idle buffers, each with its numpy view made once: a torch view per borrow gives up the GIL
-        self._free: list[tuple[torch.Tensor, np.ndarray]] = []
+        # idle buffers, each with its numpy view made once (a torch view per borrow gives up the GIL)
+        # and its size in bytes (len() of a tensor costs a torch dispatch, ~2 us on the loop)
+        self._free: list[tuple[torch.Tensor, np.ndarray, int]] = []
         self._lock = threading.Lock()     # moves borrow from the loop and from stream threads
         self.limit = limit                # idle bytes kept at most
         self.idle_bytes = 0
         self.allocated = 0                # buffers made (a test and stats figure)
 
-    def _take(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
+    def _take(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray, int]:
         with self._lock:
-            fits = [i for i, (b, _) in enumerate(self._free) if len(b) >= nbytes]
-            if fits:
-                buf = self._free.pop(min(fits, key=lambda i: len(self._free[i][0])))
-                self.idle_bytes -= len(buf[0])
+            best = None
+            for i, buf in enumerate(self._free):      # the smallest idle buffer that fits
+                if buf[2] >= nbytes and (best is None or buf[2] < self._free[best][2]):
+                    best = i
+            if best is not None:
+                buf = self._free.pop(best)
+                self.idle_bytes -= buf[2]
                 return buf
         self.allocated += 1
-        t = self._alloc(max(MIN_BYTES, 1 << (nbytes - 1).bit_length()))
-        return t, t.numpy()
+        size = max(MIN_BYTES, 1 << (nbytes - 1).bit_length())
+        t = self._alloc(size)
+        return t, t.numpy(), size
 
-    def _give(self, buf: tuple[torch.Tensor, np.ndarray]) -> None:
+    def _give(self, buf: tuple[torch.Tensor, np.ndarray, int]) -> None:
         with self._lock:
-            if self.idle_bytes + len(buf[0]) <= self.limit:
+            if self.idle_bytes + buf[2] <= self.limit:
                 self._free.append(buf)
-                self.idle_bytes += len(buf[0])
+                self.idle_bytes += buf[2]
 
     @contextmanager
     def borrow(self, rows: int, cols: int) -> Iterator[torch.Tensor]:
