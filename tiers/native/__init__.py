@@ -1,6 +1,6 @@
 """The data plane's native kernels (``tiers._native``, built from this
 folder's C++ by the package's own build): batched page checksums, row
-copies and row I/O, each one call per batch (the GIL given up for large batches and
+copies, row I/O and journal record identities, each one call per batch (the GIL given up for large batches and
 for file I/O), and the small array sort the disk tier needs without giving up the GIL.
 
 ``KVTIER_NATIVE_LIB`` names another build of the extension to load instead
@@ -20,7 +20,7 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     _spec.loader.exec_module(_mod)
 
 from tiers._native import (argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
-                           xxh64, xxh64_rows)
+                           record_identities, xxh64, xxh64_rows)
 
-__all__ = ["argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_all", "pwrite_rows", "xxh64",
-           "xxh64_rows"]
+__all__ = ["argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_all", "pwrite_rows",
+           "record_identities", "xxh64", "xxh64_rows"]

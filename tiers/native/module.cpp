@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "record_identity.hpp"
 #include "row_io.hpp"
 #include "xxh64.hpp"
 
@@ -76,6 +77,20 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
       dst[i] = kvtier::xxh64(base + r * row_stride, width, seed);
     }
   }
+  return out;
+}
+
+// record_identity of each of `records` (rows of kRecordBytes: a journal.RECORD array viewed as
+// bytes) as a uint64 numpy array. A few hundred records take microseconds: the GIL is kept.
+nb::object record_identities(Rows records, uint64_t fp) {
+  if (records.shape(0) && (records.shape(1) != kvtier::kRecordBytes || records.stride(1) != 1))
+    throw nb::value_error("record_identities: rows must be 64 contiguous bytes (journal records)");
+  const size_t n = records.shape(0);
+  nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "uint64");
+  uint64_t* dst = nb::cast<U64>(out).data();
+  const uint8_t* base = records.data();
+  const int64_t stride = records.stride(0);
+  for (size_t i = 0; i < n; ++i) dst[i] = kvtier::record_identity(base + int64_t(i) * stride, fp);
   return out;
 }
 
@@ -260,6 +275,8 @@ NB_MODULE(_native, m) {
   m.def("keep_gil_below", [](size_t nbytes) { t_keep_gil_below = nbytes; }, "nbytes"_a,
         "For the calling thread: copy_rows and xxh64_rows keep the GIL for batches smaller than nbytes "
         "(64 KiB unless set; the event loop's thread sets 1 MiB).");
+  m.def("record_identities", &record_identities, "records"_a.noconvert(), "fp"_a,
+        "The identity (tiers.journal.identity) of each journal record, given as rows of 64 bytes.");
   m.def("argsort_i64", &argsort_i64, "a"_a.noconvert(),
         "(order, has_duplicates): the stable argsort of an int64 array, and whether any two elements are "
         "equal; the GIL is kept for small arrays (numpy's argsort always gives it up).");
