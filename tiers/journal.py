@@ -46,8 +46,10 @@ RECORD = np.dtype([
     ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"), ("parent_hi", "<u8"),
 ])
 assert RECORD.itemsize == 64
-# the fields the native record identity reads (tiers/native/record_identity.hpp)
-assert [RECORD.fields[f][1] for f in ("ktag", "lc", "key_lo", "key_hi")] == [1, 4, 32, 40]
+# the fields the native record identity reads, as it reads them (tiers/native/record_identity.hpp)
+if [RECORD.fields[f][:2] for f in ("ktag", "lc", "key_lo", "key_hi")] != \
+        [(np.dtype("u1"), 1), (np.dtype("<u2"), 4), (np.dtype("<u8"), 32), (np.dtype("<u8"), 40)]:
+    raise ImportError("journal.RECORD no longer matches tiers/native/record_identity.hpp")
 MAX_GEN = (1 << 62) - 1     # generations stay far below u8's end: a hostile 2**64-1 cannot stop writes
 _ROW = np.dtype((np.void, RECORD.itemsize))    # a record as opaque bytes: numpy moves these at memcpy speed
 
@@ -184,6 +186,8 @@ def identity(recs: np.ndarray, fp: int) -> np.ndarray:
     The mix is splitmix64's finalizer over (key form | life cycle << 8) ^ fp,
     then key_hi, then key_lo (``tiers/native/record_identity.hpp``): one native
     call per batch, where numpy took 27 array operations."""
+    if not isinstance(recs, np.ndarray) or recs.dtype != RECORD or recs.ndim != 1:
+        raise UsageError("identity takes a 1-D array of journal records (journal.RECORD)")
     rows = np.ascontiguousarray(recs).view(np.uint8).reshape(-1, RECORD.itemsize)
     return record_identities(rows, fp)
 

@@ -9,7 +9,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 
 namespace kvtier {
 
@@ -28,14 +27,19 @@ inline uint64_t splitmix64_mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// A little-endian unsigned field of `n` bytes at `p`, whatever the host's byte order.
+inline uint64_t load_le(const unsigned char* p, int n) {
+  uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
 // The identity of the record at `rec` (kRecordBytes bytes) under fingerprint hash `fp`.
 inline uint64_t record_identity(const unsigned char* rec, uint64_t fp) {
-  uint16_t lc;
-  uint64_t lo, hi;
-  std::memcpy(&lc, rec + kRecordLc, 2);
-  std::memcpy(&lo, rec + kRecordKeyLo, 8);
-  std::memcpy(&hi, rec + kRecordKeyHi, 8);
-  const uint64_t tags = uint64_t(rec[kRecordKtag]) | (uint64_t(lc) << 8);
+  const uint64_t lc = load_le(rec + kRecordLc, 2);
+  const uint64_t lo = load_le(rec + kRecordKeyLo, 8);
+  const uint64_t hi = load_le(rec + kRecordKeyHi, 8);
+  const uint64_t tags = uint64_t(rec[kRecordKtag]) | (lc << 8);
   uint64_t x = splitmix64_mix(tags ^ fp);
   x = splitmix64_mix(x ^ hi);
   return splitmix64_mix(x ^ lo);
