@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 from typing import Any, Callable, Coroutine, Sequence as Seq
 
 import numpy as np
@@ -37,7 +38,7 @@ from .core import COMMIT_PAST_BLOCKS, Core, CoreError, Pages
 from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
-from .loop import short_switch_interval
+from .loop import short_switch_interval, start_eagerly
 from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import wait_events
@@ -59,6 +60,31 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
 # up cost each a wait to get it back that was longer than the copy (tiers/native/module.cpp).
 LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
 REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
+
+class _FreeBatch:
+    """The disk frees of one job on the write stream. The loop joins frees to it until the
+    job starts; the lock makes "not started yet, so joined" and "started, so taken" exclusive."""
+
+    __slots__ = ("frees", "lock", "started", "mark")
+
+    def __init__(self, group: int, slots: list[int]) -> None:
+        self.frees = [(group, slots)]
+        self.lock = threading.Lock()
+        self.started = False
+        self.mark = -1                  # the stream's submission count just after this job was queued
+
+    def join(self, group: int, slots: list[int]) -> bool:
+        with self.lock:
+            if self.started:
+                return False
+            self.frees.append((group, slots))
+            return True
+
+    def take(self) -> list[tuple[int, list[int]]]:
+        with self.lock:
+            self.started = True
+            return self.frees
+
 
 class _InLine:
     """A request waiting in a (tier, group)'s line for slots: ``turn`` is set when it comes first."""
@@ -98,8 +124,7 @@ class Store:
         self.events = EventTable()
         self.claims = ClaimTable()
         self._tasks: set[asyncio.Task] = set()
-        self._frees: collections.deque[tuple[int, list[int]]] = collections.deque()   # see _disk_free
-        self._frees_queued = False
+        self._free_batch: _FreeBatch | None = None      # the last free job's batch (see _disk_free)
         self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
         # (tier, group) -> slots that demotions in flight will give back to the free pool (the
         # reclaimer's batches and on-demand evictions' extra): what refills the reserve already
@@ -430,7 +455,19 @@ class Store:
             coro.close()
             raise UsageError("another acquire or extend of this sequence is running")
         seq.busy = True
-        task = seq.task = self._spawn(coro)
+        try:
+            # most finish without waiting (pages promoted from host memory by an inline copy, free
+            # slots): run them here; a task (which a cancelled caller leaves running) only from the
+            # first wait on, where a cancellation could come
+            done, task = start_eagerly(coro, self._loop)
+        except BaseException:
+            seq.busy = False
+            raise
+        if done:
+            seq.busy = False
+            return
+        seq.task = task
+        self._track(task)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -452,7 +489,10 @@ class Store:
         seq.busy = False
 
     def _spawn(self, coro: Coroutine) -> asyncio.Task:
-        task = self._loop.create_task(coro)
+        return self._track(self._loop.create_task(coro))
+
+    def _track(self, task: asyncio.Task) -> asyncio.Task:
+        """Count ``task`` among the store's (close and drain wait for them)."""
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -657,24 +697,23 @@ class Store:
                                         self.disk.relabel(g, slots, records), event=False)
 
     def _disk_free(self, group: int, slots: list[int]) -> None:
-        """Forget disk slots, in order with the writes that may reuse them. Frees gather into one
-        job on the write stream: a free made while that job has not started joins it, so the disk
-        thread takes the GIL once for many (each time a wait behind a busy loop).
+        """Forget disk slots, in order with the other work of the write stream. Frees gather
+        into one job: a free joins the last free job while that job has not started and
+        nothing else was submitted to the stream after it (a relabel or a write queued since
+        must keep running before the frees made after it). So the disk thread takes the GIL
+        once for many frees, each time a wait behind a busy loop."""
+        stream = self.engine.io_write
+        batch = self._free_batch
+        if batch is not None and stream.queued == batch.mark and batch.join(group, slots):
+            return
+        batch = _FreeBatch(group, slots)
+        stream.submit(lambda: self._apply_disk_frees(batch), event=False)
+        batch.mark = stream.queued
+        self._free_batch = batch
 
-        Order: a free's job is queued before any write submitted after it. The job clears
-        ``_frees_queued`` before it drains the deque (append and popleft are atomic), so a free
-        appended after the drain began finds it clear and queues a job of its own."""
-        self._frees.append((group, slots))
-        if not self._frees_queued:
-            self._frees_queued = True
-            self.engine.io_write.submit(self._apply_disk_frees, event=False)
-
-    def _apply_disk_frees(self) -> None:
-        """On the disk write thread: the frees gathered so far (see _disk_free)."""
-        self._frees_queued = False
-        frees = self._frees
-        while frees:
-            group, slots = frees.popleft()
+    def _apply_disk_frees(self, batch: "_FreeBatch") -> None:
+        """On the disk write thread: one batch of frees (see _disk_free)."""
+        for group, slots in batch.take():
             try:
                 self.disk.free(group, slots)
             except Exception as exc:        # noqa: BLE001 - as a job of its own would: logged, the rest go on

@@ -876,8 +876,9 @@ def test_reads_go_on_while_a_write_is_in_its_data_phase(tmp_path, monkeypatch):
 
 async def test_store_frees_made_before_the_job_runs_join_it_and_stay_ordered_with_writes(tmp_path):
     """Disk frees the store makes while its free job waits in the write stream join that job
-    (one GIL hand-off for many); a write into a freed slot, submitted after the free, still
-    runs after it; a free made once the job has begun queues a job of its own."""
+    (one GIL hand-off for many), but only while nothing else went into the stream after it:
+    a write or relabel queued in between runs before any free made after it, and a write into
+    a freed slot submitted after the free runs after it."""
     import threading
 
     from helpers import config
@@ -885,27 +886,32 @@ async def test_store_frees_made_before_the_job_runs_join_it_and_stay_ordered_wit
 
     async with Store.open(config(gpu=8, host=8, disk=32, disk_dir=tmp_path)) as store:
         tier, stream = store.disk, store.engine.io_write
-        write_keys(tier, 0, [0, 1, 2, 3], [10, 11, 12, 13])
+        width = tier.groups[0].slot_bytes
+        write_keys(tier, 0, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14])
         gate, started = threading.Event(), threading.Event()
         blocker = stream.submit(lambda: (started.set(), gate.wait(10)))
         assert started.wait(10)
-        queued = stream._queued
+        queued = stream.queued
         store._disk_free(0, [0])
         store._disk_free(0, [1, 2])
-        assert stream._queued == queued + 1             # one job for both frees
-        width = tier.groups[0].slot_bytes
+        assert stream.queued == queued + 1              # one job for both frees
         written = stream.submit(lambda: tier.write(0, [2], rows_for([99], width), [rec(99)]))
+        relabeled = stream.submit(lambda: tier.relabel(0, [3], [rec(77)]))
+        store._disk_free(0, [3])                        # after the relabel queued since: a job of its own
+        assert stream.queued == queued + 4
         gate.set()
-        blocker.synchronize()
-        written.synchronize()
+        for ev in (blocker, written, relabeled):
+            ev.synchronize()
+            assert ev.error is None                     # the relabel found slot 3 still live
+        stream.synchronize()
         assert (read_back(tier, 0, [2])[0].numpy() == page_bytes(99, width)).all()   # the free came first
-        assert (read_back(tier, 0, [3])[0].numpy() == page_bytes(13, width)).all()
-        assert tier.groups[0].n_live == 2 and not tier.groups[0].live[[0, 1]].any()
+        assert (read_back(tier, 0, [4])[0].numpy() == page_bytes(14, width)).all()
+        assert tier.groups[0].n_live == 2 and not tier.groups[0].live[[0, 1, 3]].any()
         done = threading.Event()
         stream.submit(lambda: done.wait(10), event=False)
-        queued = stream._queued
-        store._disk_free(0, [3])                         # the previous job has run: a job of its own
-        assert stream._queued == queued + 1
+        queued = stream.queued
+        store._disk_free(0, [4])                        # the last free job has run: a job of its own
+        assert stream.queued == queued + 1
         done.set()
         stream.synchronize()
-        assert not tier.groups[0].live[3]
+        assert not tier.groups[0].live[4]

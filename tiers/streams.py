@@ -213,6 +213,12 @@ class HostStream:
         self._queue.put((fn, ev))
         return ev
 
+    @property
+    def queued(self) -> int:
+        """How many items were ever submitted (jobs and waits): a submitter can tell whether
+        anything went in after its own item."""
+        return self._queued
+
     def record(self) -> HostEvent:
         return self.submit(lambda: None)
 
