@@ -135,7 +135,8 @@ async def _workers(n: int, requests: Iterable[TraceRequest] | AsyncIterable[Trac
                    each: AsyncIterator[TraceRequest], one: Callable[[TraceRequest], Awaitable[None]]) -> None:
     """Serve ``requests`` in order with ``n`` worker tasks. The first error
     that is not a request's own (those ``one`` counts) stops every worker from
-    taking more; the others finish what they hold, then it is raised."""
+    taking more; the others finish what they hold, then it is raised. Cancelling
+    the replay cancels the requests in flight (the store undoes each)."""
     failures: list[BaseException] = []
     if isinstance(requests, AsyncIterable):
         lock = asyncio.Lock()
@@ -153,9 +154,13 @@ async def _workers(n: int, requests: Iterable[TraceRequest] | AsyncIterable[Trac
         try:
             while not failures:
                 req = await take()
-                if req is None:
+                if req is None or failures:
                     return
                 await one(req)
+                # a turn of the loop between requests: a request served from the GPU never waits, so
+                # without it one worker would serve them all in one step (the loop held, nobody else
+                # run), and requests woken for room would find the next request took it first
+                await asyncio.sleep(0)
         except BaseException as exc:        # noqa: BLE001 - kept, raised once every worker is done
             failures.append(exc)
     loop = asyncio.get_running_loop()
@@ -188,6 +193,12 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
             for attempt in range(8):
                 try:
                     await serve(req, first=attempt == 0)
+                    break
+                except asyncio.CancelledError as exc:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise                   # the replay (or this request's task) is being cancelled
+                    count_error(exc)            # a request that cancelled itself: its own failure
                     break
                 except OutOfPagesError as exc:
                     # the pool is locked by requests in flight: wait for one to finish, as a server queues;
