@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from runtime import Store, StoreClosedError
+from runtime import Store, StoreClosedError, migration
 
 from helpers import DEVICE, config, expected_block, fill, read_block, toks
 
@@ -81,9 +81,11 @@ async def test_a_cancelled_close_still_closes(tmp_path):
         await _check_all(again, range(1, 9))
 
 
-async def test_an_acquire_cancelled_as_it_finishes_leaves_nothing_locked():
+async def test_an_acquire_cancelled_as_it_finishes_leaves_nothing_locked(monkeypatch):
     """The acquire's task finished in the same loop iteration as its caller was cancelled: the
-    caller saw CancelledError but the sequence stayed acquired with its pages locked."""
+    caller saw CancelledError but the sequence stayed acquired with its pages locked. (Its copy
+    goes to the copy thread, so that the acquire waits and runs on as a task.)"""
+    monkeypatch.setattr(migration, "INLINE_BYTES", 0)
     async with Store.open(config(gpu=4, host=16)) as store:
         await fill(store, toks(1, 4))
         await fill(store, toks(2, 4))                    # sequence 1's pages went to the host
@@ -208,4 +210,75 @@ async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequen
         assert other.acquired and all(s >= 0 for s in other.locked_indices(0))   # its locks are its own
         await other.release()
         await other.close()
+        store.check_consistency()
+
+
+async def test_start_eagerly_runs_to_the_first_wait_then_hands_on_to_a_task():
+    """The eager start of a store operation: finished without a wait, it is done with no task;
+    else the task continues it where it stopped, values and exceptions (a cancellation too)
+    passed through to the coroutine as if it had run in the task from the start."""
+    from runtime.loop import start_eagerly
+    loop = asyncio.get_running_loop()
+    log = []
+
+    async def quick():
+        log.append("ran")
+        return 7
+    assert start_eagerly(quick(), loop) == (True, 7) and log == ["ran"]
+
+    async def fails():
+        raise KeyError("now")
+    with pytest.raises(KeyError, match="now"):
+        start_eagerly(fails(), loop)
+
+    gate = loop.create_future()
+
+    async def waits():
+        log.append("before")
+        got = await gate
+        await asyncio.sleep(0)                  # a bare yield after the first wait
+        return got + 1
+    done, task = start_eagerly(waits(), loop)
+    assert not done and log[-1] == "before"
+    gate.set_result(41)
+    assert await task == 42
+
+    hold = loop.create_future()
+
+    async def cancelled():
+        try:
+            await hold
+        except asyncio.CancelledError:
+            log.append("saw the cancel")
+            raise
+    done, task = start_eagerly(cancelled(), loop)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled() and log[-1] == "saw the cancel"     # cancelled before its first step
+
+    hold = loop.create_future()
+    done, task = start_eagerly(cancelled(), loop)
+    await asyncio.sleep(0)                      # the task waits on the coroutine's future now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled() and log.count("saw the cancel") == 2 and hold.cancelled()
+
+
+async def test_an_acquire_promoting_from_host_memory_needs_no_task():
+    """Pages brought back from the host by an inline copy: the acquire finishes on the caller's
+    stack (no task, no loop turn), with the right bytes."""
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await fill(store, toks(1, 4))
+        await fill(store, toks(2, 4))                    # sequence 1's pages went to the host
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        assert seq.matched_by_tier.get("host") == 4
+        tasks = set(store._tasks)
+        await seq.acquire()
+        assert seq.task is None and not seq.busy and set(store._tasks) <= tasks
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+        await seq.close()
         store.check_consistency()
