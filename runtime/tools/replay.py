@@ -132,7 +132,8 @@ async def _each(requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest]) 
 
 
 async def _workers(n: int, requests: Iterable[TraceRequest] | AsyncIterable[TraceRequest],
-                   each: AsyncIterator[TraceRequest], one: Callable[[TraceRequest], Awaitable[None]]) -> None:
+                   each: AsyncIterator[TraceRequest], one: Callable[[TraceRequest], Awaitable[None]],
+                   room_wanted: Callable[[], bool]) -> None:
     """Serve ``requests`` in order with ``n`` worker tasks. The first error
     that is not a request's own (those ``one`` counts) stops every worker from
     taking more; the others finish what they hold, then it is raised. Cancelling
@@ -151,16 +152,20 @@ async def _workers(n: int, requests: Iterable[TraceRequest] | AsyncIterable[Trac
             return next(it, None)
 
     async def worker() -> None:
+        served, every = 0, max(1, YIELD_EVERY // max(1, n))   # all workers together: YIELD_EVERY requests
         try:
             while not failures:
                 req = await take()
                 if req is None or failures:
                     return
                 await one(req)
-                # a turn of the loop between requests: a request served from the GPU never waits, so
-                # without it one worker would serve them all in one step (the loop held, nobody else
-                # run), and requests woken for room would find the next request took it first
-                await asyncio.sleep(0)
+                served += 1
+                # a turn of the loop before the next request when requests wait for room (woken by
+                # this one's end, they go first), and at least every YIELD_EVERY requests of all the
+                # workers (one served from the GPU never waits: back to back they would hold the
+                # loop). Not after each: that turn cost concurrency 32 a sixth of its throughput
+                if room_wanted() or not served % every:
+                    await asyncio.sleep(0)
         except BaseException as exc:        # noqa: BLE001 - kept, raised once every worker is done
             failures.append(exc)
     loop = asyncio.get_running_loop()
@@ -274,7 +279,7 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
         elif not honor_timestamps:
             # `concurrency` workers, each taking the next request when its last one ends: no task
             # and no semaphore per request (a stream is read under a lock: one reader at a time)
-            await _workers(concurrency, requests, each, one)
+            await _workers(concurrency, requests, each, one, lambda: waiting > 0)
         else:
             # at most `concurrency` requests in flight, each started at its time: the next starts
             # when one ends (no task waits in a queue of its own, so a finishing request costs
