@@ -256,6 +256,18 @@ async def test_start_eagerly_runs_to_the_first_wait_then_hands_on_to_a_task():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert task.cancelled() and log[-1] == "saw the cancel"     # cancelled before its first step
+    assert hold.cancelled()                         # as a task cancelled while it waits on a future
+    assert "cancelled" in task.get_name()
+
+    shared = loop.create_future()                   # another task awaits the same future first
+
+    async def wait_shared():
+        return await shared
+    other = loop.create_task(wait_shared())
+    done, task = start_eagerly(wait_shared(), loop)
+    await asyncio.sleep(0)
+    shared.set_result(5)
+    assert await task == 5 and await other == 5
 
     hold = loop.create_future()
     done, task = start_eagerly(cancelled(), loop)

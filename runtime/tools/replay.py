@@ -201,7 +201,8 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                     break
                 except asyncio.CancelledError as exc:
                     task = asyncio.current_task()
-                    if task is None or task.cancelling():
+                    cancelling = getattr(task, "cancelling", None)      # Python 3.11+
+                    if cancelling is None or cancelling():
                         raise                   # the replay (or this request's task) is being cancelled
                     count_error(exc)            # a request that cancelled itself: its own failure
                     break
