@@ -61,6 +61,7 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
 LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
 REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
 
+
 class _FreeBatch:
     """The disk frees of one job on the write stream. The loop joins frees to it until the
     job starts; the lock makes "not started yet, so joined" and "started, so taken" exclusive."""
