@@ -381,11 +381,8 @@ class MigrationEngine:
         done: list[int] = []
         try:
             for a in range(0, len(src_slots), per):
-                part, dst, recs = src_slots[a:a + per], list(dst_slots[a:a + per]), records[a:a + per]
-                if part[-1] - part[0] == len(part) - 1:        # ascending, so one run
-                    self.disk.write(group, dst, src[part[0]:part[0] + len(part)], recs)
-                else:
-                    self.disk.write(group, dst, src, recs, index=np.asarray(part, dtype=np.int64))
+                dst = list(dst_slots[a:a + per])
+                self.disk.write(group, dst, src, records[a:a + per], index=_index(src_slots[a:a + per]))
                 done.extend(dst)
         except BaseException:
             if done:

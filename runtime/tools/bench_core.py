@@ -15,13 +15,14 @@ reference measured in the same run (never a timed test):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 from tiers.config import DiskConfig, EventsConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.layers import LayerSpec
@@ -48,6 +49,16 @@ def _config(tiers: Sequence[int], directory: str | None, fsync: bool = False, pa
                        persist_on_close=False, events=events)
 
 
+@contextlib.asynccontextmanager
+async def _fresh_store(tiers: Sequence[int], directory: str, **cfg) -> AsyncIterator[Store]:
+    """A store of ``tiers`` (``_config``'s other settings in ``cfg``) on a directory of its own,
+    removed when the store closes (a full run kept about 8 GB of segments), collected first."""
+    with tempfile.TemporaryDirectory(dir=directory) as sub:
+        async with Store.open(_config(tiers, sub, **cfg)) as store:
+            gc.collect()
+            yield store
+
+
 def _bare(requests: Sequence[TraceRequest], capacity: int) -> float:
     """Best blocks/s of three fresh bare-LRU replays of ``requests``."""
     return _best_replay(lambda: LruPrefixCache(capacity), requests)[1]
@@ -60,10 +71,8 @@ async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequenc
     bare = _bare(requests, sum(tiers))
     ours, res = -1.0, None
     for _ in range(rounds):
-        with tempfile.TemporaryDirectory(dir=directory) as sub:    # a replay's segments go with it
-            async with Store.open(_config(tiers, sub, fsync)) as store:
-                gc.collect()
-                r = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
+        async with _fresh_store(tiers, directory, fsync=fsync) as store:
+            r = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
         if r.blocks / r.seconds > ours:
             ours, res = r.blocks / r.seconds, r
     return {"bench": name, "value": round(ours), "unit": "blocks/s", "baseline": round(bare),
@@ -216,10 +225,8 @@ async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int
     best: dict[int, tuple[float, object]] = {}
     for _ in range(rounds):
         for c in (1, 32):
-            with tempfile.TemporaryDirectory(dir=directory) as sub:
-                async with Store.open(_config(tiers, sub)) as store:
-                    gc.collect()
-                    r = await replay(store, requests, content=False, verify=False, concurrency=c)
+            async with _fresh_store(tiers, directory) as store:
+                r = await replay(store, requests, content=False, verify=False, concurrency=c)
             if c not in best or r.blocks / r.seconds > best[c][0]:
                 best[c] = (r.blocks / r.seconds, r)
     one, many = best[1][0], best[32][0]
@@ -288,13 +295,12 @@ async def write_through_row(requests: Sequence[TraceRequest], directory: str, ro
     wt: dict = {}
     for _ in range(rounds):
         for write in ("back", "through"):
-            with tempfile.TemporaryDirectory(dir=directory) as sub:
-                async with Store.open(_config(tiers, sub, fsync=True, write=write)) as store:
-                    res = await replay(store, requests, content=False, verify=False)
-                    st = store.stats()
-                    moved[write] = st["moves"].get("host->disk", {}).get("pages", 0)
-                    if write == "through":
-                        wt = st["write_through"]
+            async with _fresh_store(tiers, directory, fsync=True, write=write) as store:
+                res = await replay(store, requests, content=False, verify=False)
+                st = store.stats()
+                moved[write] = st["moves"].get("host->disk", {}).get("pages", 0)
+                if write == "through":
+                    wt = st["write_through"]
             best[write] = max(best[write], res.blocks / res.seconds)
     return {"bench": "core: three-tier replay, disk write = through (fsync on)", "value": round(best["through"]),
             "unit": "blocks/s", "baseline": round(best["back"]), "baseline_is": "same replay, write = back",
