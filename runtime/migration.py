@@ -286,7 +286,8 @@ class MigrationEngine:
                     if batch.tee is not None:   # the cold rows, copied before the staging goes back
                         await self._tee(batch, busy, lambda out: out.copy_(buf), n_pages, cold_bytes, [])
                     ev = await self._stage(busy, self.io_write,
-                                           lambda: self.disk.write(dst_group, list(dst_slots), buf, records), [])
+                                           lambda: self.disk.write(dst_group, list(dst_slots), buf, records,
+                                                                   durable=False), [])
         elif src_tier == HOST:
             src = self.host[src_group].tensor
             if dst_tier == GPU:
@@ -382,7 +383,8 @@ class MigrationEngine:
         try:
             for a in range(0, len(src_slots), per):
                 dst = list(dst_slots[a:a + per])
-                self.disk.write(group, dst, src, records[a:a + per], index=_index(src_slots[a:a + per]))
+                self.disk.write(group, dst, src, records[a:a + per], index=_index(src_slots[a:a + per]),
+                                durable=False)
                 done.extend(dst)
         except BaseException:
             if done:

@@ -695,7 +695,7 @@ class Store:
         for g, slots, pages in core.take_relabels():
             records = self.records(pages)
             self.engine.io_write.submit(lambda g=g, slots=slots, records=records:
-                                        self.disk.relabel(g, slots, records), event=False)
+                                        self.disk.relabel(g, slots, records, durable=False), event=False)
 
     def _disk_free(self, group: int, slots: list[int]) -> None:
         """Forget disk slots, in order with the other work of the write stream. Frees gather

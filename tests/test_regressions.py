@@ -185,9 +185,9 @@ async def test_a_waiter_on_a_split_promotion_gets_only_its_own_batchs_error(tmp_
         assert {row[0].tier for row in seq_a.pages} == {HOST, DISK}
         write = store.disk.write
 
-        def slow_write(*args):          # A's demotions take a while, so B joins before any batch runs
+        def slow_write(*args, **kw):    # A's demotions take a while, so B joins before any batch runs
             time.sleep(0.2)
-            return write(*args)
+            return write(*args, **kw)
         store.disk.write = slow_write
         store.disk.inject_fault("read", errno.EIO, count=10)   # A's disk batch fails
         ta = asyncio.ensure_future(seq_a.acquire())

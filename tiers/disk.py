@@ -1,11 +1,12 @@
 """The disk tier: durable, slot-addressed spill files for cold pages.
 
 Data plane only: every call blocks, no asyncio here. The runtime calls it from
-worker threads. A pool group's lock serialises what reads or changes its slot
-table and journal; a write holds it only around those steps and queues behind
-other writes on the group's write lock, so reads of live pages run beside a
-write's data transfer and sync. Different groups run concurrently (the I/O and
-the checksums release the GIL).
+worker threads; the tier's own committer thread journals deferred writes. A
+pool group's lock serialises what reads or changes its slot table; a write
+holds it only around those steps and queues behind other writes on the
+group's write lock, so reads of live pages run beside a write's data transfer
+and a commit's syncs. Different groups run concurrently (the I/O and the
+checksums release the GIL).
 
 Directory layout (``path``)::
 
@@ -38,29 +39,42 @@ records of the frames it hits; a torn tail is truncated. Records no writer
 produces (unknown kinds or key forms, slots outside the group) are skipped
 and reported. All of it lands in ``journal_errors`` / ``discarded`` and a
 warning on ``kvtier.disk``; open compacts a journal it had to repair. Because
-a frame holds a whole ``write()`` batch, a crash never leaves half a batch in
-the index. Compaction writes frames of at most ``FRAME_RECORDS`` records.
+a frame holds whole ``write()`` batches (less pages freed since), a crash
+never leaves half a batch in the index. Compaction writes frames of at most ``FRAME_RECORDS`` records.
 
-Durability order of ``write()`` (with ``fsync=True``):
+Durability order (with ``fsync=True``). A ``write()``:
 
 1. if some target slot was freed but its free record is not yet durable, the
    pending frees are appended and fdatasync'ed first, so that no durable
    record still names the old page when its bytes get overwritten;
-2. the data goes to the segment (one ``pwritev`` per run of adjacent slots)
-   and is fdatasync'ed once per batch;
-3. one frame with the batch's records (plus any other pending frees of the
-   group) is appended to the journal and fdatasync'ed.
+2. writes the data to the segment (one ``pwritev`` per run of adjacent
+   slots); the pages are live (readable, freeable) from here;
+3. queues the batch's records for a commit.
 
-So the journal never points at unwritten data, and a failure at any step
+A commit (group commit) syncs the segment once for every batch queued before
+it, then appends one frame with their records (those still current: a page
+freed, rewritten or relabelled meanwhile is left out) and the group's pending
+frees, and fdatasyncs the journal. ``write(durable=True)`` (the default)
+commits before it returns; ``write(durable=False)``, what the store uses,
+returns after step 3 and the tier's committer thread commits soon after, so
+many spills share one pair of syncs and none waits for them. ``flush()`` and
+``close()`` commit what is queued.
+
+So the journal never points at unwritten data; a crash loses at most the
+batches not yet committed, never serves wrong bytes. A failure at steps 1-2
 (``ENOSPC`` -> ``DiskFullError``; any other ``OSError`` -> ``TierIOError``)
-leaves every slot's previous state as it was: a failed journal append is
-rolled back by truncating the journal to its previous length. ``write()`` only
-takes free slots (writing over a live page is a ``UsageError``: free it first),
-which is what makes "nothing previously stored is lost" hold even when the
-data write fails half-way. Frees are journaled lazily (with the next append of
-their group, ``flush()`` or ``close()``); a crash can therefore bring back a
-page that was freed shortly before it, with its bytes intact (its checksum
-still matches), never a page with wrong bytes.
+leaves every slot's previous state as it was; a failed journal append is
+rolled back by truncating the journal to its previous length and its records
+stay queued for the next commit; a failed sync of the segment makes the group
+unusable until it is reopened (after a failed fdatasync Linux may have
+dropped the dirty pages: nothing written since the previous sync can be
+trusted) and its records are never journaled. ``write()`` only takes free
+slots (writing over a live page is a ``UsageError``: free it first), which is
+what makes "nothing previously stored is lost" hold even when the data write
+fails half-way. Frees are journaled lazily (with the group's next commit or
+append, ``flush()`` or ``close()``); a crash can therefore bring back a page
+that was freed shortly before it, with its bytes intact (its checksum still
+matches), never a page with wrong bytes.
 
 Checksums. A page's record holds the XXH64 of its ``slot_bytes`` XOR the
 page's identity (block key, life cycle, layout fingerprint; see
@@ -297,16 +311,29 @@ class _Group:
     Per slot (arrays indexed by slot, grown on demand up to ``slots``):
     ``meta[s]`` is the last record applied for s (a write or a free);
     ``live[s]`` says s holds a page, whose record is ``meta[s]``;
-    ``pending[s]``: s was freed and its free record is not journaled yet
-    (it is in ``pending_slots``/``pending_gens``), so s must not be written
-    before it is; ``forgotten[s]``: s was discarded as bad, so a later free of
-    it is a no-op. Invariants: live and pending are disjoint, live and
-    forgotten are disjoint, ``n_live == live.sum()``.
+    ``journaled[s]``: the journal holds (or an append under way is writing)
+    a write record for s that no free record follows, so freeing s needs a
+    free record; ``pending[s]``: s was freed and that free record is not
+    journaled yet (it is in ``pending_slots``/``pending_gens``), so s must
+    not be written before it is; ``forgotten[s]``: s was discarded as bad, so
+    a later free of it is a no-op. Invariants: live and pending are disjoint,
+    live and forgotten are disjoint, pending implies journaled,
+    ``n_live == live.sum()``.
+
+    ``queued`` holds the records of writes and relabels whose bytes are written
+    but not yet journaled (each with whether its bytes are already synced), in
+    order; a commit journals those still current (the slot live, the generation
+    its ``meta``'s). ``queued_seq`` counts the batches queued, ``durable_seq``
+    the batches a finished commit covered. Lock order: ``write_lock`` (one
+    write at a time), ``commit_lock`` (one commit at a time, from its snapshot
+    of ``queued`` to its frame durable), ``journal_lock`` (one append or
+    compaction at a time), ``lock`` (the slot table; held only briefly, except
+    by the synchronous appends of frees a write needs first).
     """
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
                  "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "meta", "live", "pending", "forgotten",
                  "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "write_lock", "broken", "pad", "direct",
-                 "dir_unsynced")
+                 "dir_unsynced", "journaled", "queued", "queued_seq", "durable_seq", "journal_lock", "commit_lock")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
         self.index = index
@@ -326,12 +353,18 @@ class _Group:
         self.live = np.zeros(0, dtype=bool)
         self.pending = np.zeros(0, dtype=bool)
         self.forgotten = np.zeros(0, dtype=bool)
+        self.journaled = np.zeros(0, dtype=bool)
+        self.queued: list[tuple[np.ndarray, bool]] = []
+        self.queued_seq = 0
+        self.durable_seq = 0
         self.pending_slots: list[np.ndarray] = []
         self.pending_gens: list[np.ndarray] = []
         self.n_pending = 0
         self.n_live = 0
         self.lock = threading.Lock()          # the slot table, the journal and the segment's size
         self.write_lock = threading.Lock()    # one write() at a time; taken before `lock`, never after
+        self.commit_lock = threading.Lock()   # one commit at a time; see the class docstring for the order
+        self.journal_lock = threading.Lock()  # one journal append (or compaction) at a time
         self.broken: str | None = None
         self.dir_unsynced = False      # a journal rename awaits its directory fsync
         self.pad = bytes(self.stride - slot_bytes)            # written after each row to fill its stride
@@ -342,7 +375,7 @@ class _Group:
         if n <= cap:
             return
         new = min(self.slots, max(n, 2 * cap, 1024))
-        for name in ("meta", "live", "pending", "forgotten"):
+        for name in ("meta", "live", "pending", "forgotten", "journaled"):
             old = getattr(self, name)
             arr = np.zeros(new, dtype=old.dtype)
             if name == "meta":
@@ -367,7 +400,51 @@ class _Group:
     def clear_pending(self) -> None:
         for part in self.pending_slots:
             self.pending[part] = False
+            self.journaled[part] = False
         self.pending_slots, self.pending_gens, self.n_pending = [], [], 0
+
+    def take_pending(self) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The pending frees as records, handed to an append: their flags stay set (the slots stay
+        unwritable) until ``settle_pending`` or ``restore_pending``."""
+        taken = self.free_records(), self.pending_slots, self.pending_gens
+        self.pending_slots, self.pending_gens, self.n_pending = [], [], 0
+        return taken
+
+    def settle_pending(self, slots: list[np.ndarray]) -> None:
+        """The frees taken are durable."""
+        for part in slots:
+            self.pending[part] = False
+            self.journaled[part] = False
+
+    def restore_pending(self, slots: list[np.ndarray], gens: list[np.ndarray]) -> None:
+        """The append of the frees taken failed: they are pending again, first in line."""
+        self.pending_slots[:0] = slots
+        self.pending_gens[:0] = gens
+        self.n_pending += sum(len(p) for p in slots)
+
+    def unlive(self, slots: np.ndarray) -> np.ndarray:
+        """Slots stop holding pages; returns those the journal names, which need a free record
+        (``add_pending``). The records of the others, still queued, are not current any more,
+        so no commit journals them."""
+        self.live[slots] = False
+        self.n_live -= len(slots)
+        return slots[self.journaled[slots]]
+
+    def queue(self, records: np.ndarray, synced: bool) -> int:
+        """Queue a batch's records for the next commit; returns its sequence number."""
+        self.queued.append((records, synced))
+        self.queued_seq += 1
+        return self.queued_seq
+
+    def take_queued(self) -> tuple[list[tuple[np.ndarray, bool]], int]:
+        taken, self.queued = self.queued, []
+        return taken, self.queued_seq
+
+    def current(self, recs: np.ndarray) -> np.ndarray:
+        """The records of ``recs`` still their slot's live page (a later free, write or relabel
+        of a slot supersedes a queued record)."""
+        slots = recs["slot"].astype(np.int64)
+        return journal.take(recs, self.live[slots] & (self.meta["gen"][slots] == recs["gen"]))
 
     def add_pending(self, slots: np.ndarray, first_gen: int) -> None:
         self.pending[slots] = True
@@ -613,7 +690,11 @@ class DiskTier:
         self._pool_lock = threading.Lock()
         self._bounces: list[tuple[mmap.mmap, np.ndarray]] = []
         self._stats = dict(bytes_written=0, bytes_read=0, pages_written=0, pages_read=0, discarded=0,
-                           checksum_seconds=0.0, io_seconds=0.0, fsync_seconds=0.0, checkpoints=0)
+                           checksum_seconds=0.0, io_seconds=0.0, fsync_seconds=0.0, checkpoints=0,
+                           commits=0, commit_failures=0)
+        self._due: set[int] = set()             # groups with writes for the committer (under _due_cv)
+        self._due_cv = threading.Condition()
+        self._committer: threading.Thread | None = None
 
     # ---- open / close ----
 
@@ -883,6 +964,7 @@ class DiskTier:
                 self.discarded.extend((g.index, int(s), reason) for s in lost)
                 log.warning("disk tier: group %d: %d page(s) discarded at open: %s", g.index, len(lost), reason)
                 dirty = True
+        g.journaled = g.live.copy()
         return replay.max_gen, dirty
 
     def close(self) -> None:
@@ -891,17 +973,19 @@ class DiskTier:
             return
         self._closed = True          # new calls fail from here; calls under way finish first (group and write locks)
         try:
+            self._stop_committer()
             for g in self.groups:
-                with g.write_lock, g.lock:      # a write under way finishes first
+                with g.write_lock, g.commit_lock, g.journal_lock, g.lock:      # a write under way finishes first
                     if g.broken is None:
                         try:
                             self._checkpoint_locked(g)
                         except OSError as e:
                             log.warning("disk tier: checkpoint of group %d at close failed: %s", g.index, e)
-                            try:
-                                self._flush_locked(g)
-                            except OSError as e2:
-                                log.error("disk tier: group %d: pending frees not journaled: %s", g.index, e2)
+                if g.broken is None and (g.queued or g.n_pending):
+                    try:
+                        self._commit(g)
+                    except OSError as e2:
+                        log.error("disk tier: group %d: records not journaled at close: %s", g.index, e2)
         finally:
             self._release_fds()
 
@@ -1016,9 +1100,7 @@ class DiskTier:
         slots = np.asarray(list(slots), dtype=np.int64)
         if not len(slots):
             return
-        g.live[slots] = False
-        g.n_live -= len(slots)
-        g.add_pending(slots, self._take_gens(len(slots)))
+        self._unlive(g, slots)
         g.forgotten[slots] = True
         listed = slots.tolist()
         with self._stats_lock:
@@ -1027,12 +1109,20 @@ class DiskTier:
         log.warning("disk tier: group %d: discarded %d page(s) %s: %s", g.index, len(listed),
                     listed if len(listed) <= 16 else f"{listed[:16]}...", reason)
 
+    def _unlive(self, g: _Group, slots: np.ndarray) -> None:
+        """Under g.lock: ``slots`` hold no page from now on (see ``_Group.unlive``)."""
+        named = g.unlive(slots)
+        if len(named):
+            g.add_pending(named, self._take_gens(len(named)))
+
     def _append(self, g: _Group, *records: np.ndarray) -> None:
-        """Append one frame of ``records`` to g's journal and make it durable (on failure roll it back)."""
+        """Append one frame of ``records`` to g's journal and make it durable (on failure roll it back).
+        The caller holds g.journal_lock."""
         frame = journal.frame(journal.RECORDS_MAGIC, b"".join(r.tobytes() for r in records if len(r)))
         start = g.journal_size
         t0 = time.perf_counter()
         try:
+            self._fault("journal")
             if g.dir_unsynced:        # a compaction's rename is not durable yet: nothing after it would be
                 _fsync_dir(self.path)
                 g.dir_unsynced = False
@@ -1048,11 +1138,101 @@ class DiskTier:
         g.journal_size = start + len(frame)
         self._add_stats(fsync_seconds=time.perf_counter() - t0)
 
-    def _flush_locked(self, g: _Group) -> None:
-        if g.n_pending and g.broken is None:
-            self._append(g, g.free_records())
-            g.clear_pending()
-            self._maybe_checkpoint(g)
+    def _append_frees(self, g: _Group, slots: np.ndarray) -> None:
+        """Before ``slots`` are written over: if one has a pending free, append the pending frees
+        (alone: a queued write never names a slot with a pending free, so the order between them
+        does not matter) and make them durable."""
+        with g.journal_lock, g.lock:
+            if not g.pending[slots].any():        # a commit under way journaled them
+                return
+            self._usable(g)
+            frees, slots_taken, gens = g.take_pending()
+            try:
+                self._append(g, frees)
+            except BaseException:
+                g.restore_pending(slots_taken, gens)
+                raise
+            g.settle_pending(slots_taken)
+
+    def _commit(self, g: _Group) -> None:
+        """Journal what g has queued (group commit): sync the queued bytes, then append and sync
+        one frame with the queued records still current and the pending frees. Writes queued
+        meanwhile wait for the next commit. ``OSError`` (typed) on failure: a failed append is
+        rolled back and its records stay queued; a failed sync of the segment makes the group
+        unusable (Linux may have dropped the dirty pages, so nothing written since the last
+        barrier can be trusted), and its records are never journaled."""
+        with g.commit_lock:
+            with g.lock:
+                if g.broken is not None:
+                    return
+                snap, seq = g.take_queued()
+                if not snap and not g.n_pending:
+                    g.durable_seq = seq
+                    return
+            if self.fsync and not all(synced for _, synced in snap):
+                t0 = time.perf_counter()
+                try:
+                    self._fault("sync")
+                    os.fdatasync(g.seg_fd)
+                except OSError as e:
+                    with g.lock:
+                        g.broken = f"syncing the segment failed ({e.strerror}): what was written since the " \
+                                   "previous sync may be lost"
+                    raise _typed(e, f"syncing {g.seg_path}") from e
+                self._add_stats(fsync_seconds=time.perf_counter() - t0)
+            with g.journal_lock:
+                with g.lock:
+                    recs = g.current(journal.concat([r for r, _ in snap])) if snap else np.zeros(0, RECORD)
+                    g.journaled[recs["slot"].astype(np.int64)] = True     # before a free can look
+                    frees, free_slots, free_gens = g.take_pending()
+                try:
+                    self._append(g, recs, frees)
+                except BaseException:
+                    with g.lock:
+                        g.queued[:0] = [(recs, True)]
+                        g.restore_pending(free_slots, free_gens)
+                    raise
+                with g.lock:
+                    g.settle_pending(free_slots)
+                    g.durable_seq = seq
+                    self._add_stats(commits=1)
+                    self._maybe_checkpoint(g)
+
+    def _commit_soon(self, g: _Group) -> None:
+        """Have the committer thread journal g's queued writes (started on first use)."""
+        with self._due_cv:
+            if self._closed:            # close() journals what is queued once writes under way finish
+                return
+            self._due.add(g.index)
+            if self._committer is None:
+                self._committer = threading.Thread(target=self._run_committer, name="kvtier-disk-commit",
+                                                   daemon=True)
+                self._committer.start()
+            self._due_cv.notify()
+
+    def _run_committer(self) -> None:
+        while True:
+            with self._due_cv:
+                while not self._due and not self._closed:
+                    self._due_cv.wait()
+                if not self._due:
+                    return
+                due, self._due = sorted(self._due), set()
+            for i in due:
+                g = self.groups[i]
+                try:
+                    self._commit(g)
+                except OSError as e:
+                    with self._stats_lock:
+                        self._stats["commit_failures"] += 1
+                    log.error("disk tier: group %d: journaling written pages failed: %s", g.index, e)
+
+    def _stop_committer(self) -> None:
+        with self._due_cv:
+            t, self._committer = self._committer, None
+            self._due_cv.notify()
+        if t is not None:
+            t.join()
 
     def _maybe_checkpoint(self, g: _Group) -> None:
         snapshot = g.live_bytes() + 4096
@@ -1063,6 +1243,17 @@ class DiskTier:
                 log.warning("disk tier: journal compaction of group %d failed: %s", g.index, e)
 
     def _checkpoint_locked(self, g: _Group) -> None:
+        """Rewrite g's journal as a snapshot of its live records (the caller holds g's commit, journal
+        and slot-table locks). Queued writes are in the snapshot, so their bytes are synced first."""
+        if self.fsync and not all(synced for _, synced in g.queued):
+            try:
+                self._fault("sync")
+                os.fdatasync(g.seg_fd)
+            except OSError as e:
+                g.broken = f"syncing the segment failed ({e.strerror}): what was written since the " \
+                           "previous sync may be lost"
+                raise _typed(e, f"syncing {g.seg_path}") from e
+            g.queued = [(r, True) for r, _ in g.queued]
         tmp = g.journal_path + ".tmp"
         with self._gen_lock:
             next_gen = self._gen
@@ -1118,7 +1309,10 @@ class DiskTier:
         os.close(old)
         g.dir_unsynced = self.fsync       # the rename is durable once the directory is synced
         g.journal_size = written
-        g.clear_pending()          # the snapshot already leaves freed slots out
+        g.clear_pending()          # the snapshot already leaves freed slots out ...
+        g.queued = []              # ... and holds every live record
+        g.journaled = g.live.copy()
+        g.durable_seq = g.queued_seq
         self._add_stats(checkpoints=1)
         if g.dir_unsynced:
             try:
@@ -1256,12 +1450,16 @@ class DiskTier:
     # ---- data path ----
 
     def write(self, group: int, slots: Iterable[int], rows: torch.Tensor, records: Any,
-              index: np.ndarray | None = None) -> None:
+              index: np.ndarray | None = None, durable: bool = True) -> None:
         """Store ``rows[i]`` (a CPU uint8 row of ``slot_bytes``; any row stride) in ``slots[i]`` with
-        ``records[i]`` (a ``journal.RECORD`` array, as the core builds it, or PageRecords). Durable when
-        it returns (with ``fsync``); see the module docstring for the order. With ``index`` (int64, one
-        per slot), ``rows`` is any number of rows (a host slab) and ``slots[i]`` gets ``rows[index[i]]``:
-        scattered rows are written where they are, with no gathering copy.
+        ``records[i]`` (a ``journal.RECORD`` array, as the core builds it, or PageRecords). With ``index``
+        (int64, one per slot), ``rows`` is any number of rows (a host slab) and ``slots[i]`` gets
+        ``rows[index[i]]``: scattered rows are written where they are, with no gathering copy.
+
+        ``durable``: the pages are journaled (and, with ``fsync``, synced) when it returns. Without it
+        the call returns once the bytes are written, the pages readable and freeable at once, and the
+        tier's committer thread journals them soon after, many writes per sync (group commit); a crash
+        before that loses them, never anything else. See the module docstring for the order.
 
         The slots must be free (``UsageError`` for a live one, a duplicate, or one outside the group).
         ``DiskFullError`` when the segment cannot grow (filesystem full, a file size limit, or
@@ -1301,11 +1499,12 @@ class DiskTier:
                 hashes = np.zeros(n, dtype=np.uint64)
                 sorted_slots = sl[order]
                 self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
-                # 1. frees of the target slots must be durable before their old bytes are overwritten
-                if g.pending[sl].any():
-                    self._append(g, g.free_records())
-                    g.clear_pending()
-            # 2. the data, then a barrier
+                frees_first = bool(g.pending[sl].any())
+            # 1. frees of the target slots must be durable before their old bytes are overwritten
+            if frees_first:
+                self._append_frees(g, sl)
+            # 2. the data (and its barrier, when durable)
+            sync = self.fsync and durable
             try:
                 self._fault("write")
                 parallel = g.direct or n * g.stride >= PARALLEL_MIN_BYTES
@@ -1314,33 +1513,41 @@ class DiskTier:
                     tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, src, order, sorted_slots,
                                                                               hashes, a, b),
                                                g.pieces(sorted_slots), True))
-                    if self.fsync:
+                    if sync:
                         os.fdatasync(g.seg_fd)
                 else:   # a page-cache batch: one piece, its barrier in the same native call
-                    tck = self._write_piece(g, arr, src, order, sorted_slots, hashes, 0, n, sync=self.fsync)
+                    tck = self._write_piece(g, arr, src, order, sorted_slots, hashes, 0, n, sync=sync)
             except OSError as e:
                 raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
-            # 3. the records (with any other pending frees of the group), then a barrier
+            # 3. the records go live and join the queue of the next commit
             t2 = time.perf_counter()
             with g.lock:
                 t1 += time.perf_counter() - t2      # time waiting for the lock behind reads is not I/O
-                self._usable(g)             # a relabel may have broken the group meanwhile
+                self._usable(g)             # a failed sync may have broken the group meanwhile
                 out = journal.copy(recs)
                 out["kind"] = WRITE
                 out["slot"] = sl
                 gen = self._take_gens(n)
                 out["gen"] = _iota(gen, n)
                 out["csum"] = hashes ^ journal.identity(out, self._fp)
-                self._append(g, g.free_records(), out)
-                g.clear_pending()
                 journal.put(g.meta, sl, out)
                 g.live[sl] = True
                 g.forgotten[sl] = False
                 g.n_live += n
-                t3 = time.perf_counter()
+                g.queue(out, sync)
                 self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
-                                io_seconds=t3 - t1)
-                self._maybe_checkpoint(g)
+                                io_seconds=time.perf_counter() - t1)
+            if not durable:
+                self._commit_soon(g)
+                return
+            # 4. durable: commit now (with whatever else is queued)
+            try:
+                self._commit(g)
+                self._usable(g)
+            except BaseException:
+                with g.lock:
+                    self._unlive(g, sl)
+                raise
 
     def _write_piece(self, g: _Group, arr: np.ndarray, src: np.ndarray, order: np.ndarray,
                      sorted_slots: np.ndarray, hashes: np.ndarray, a: int, b: int, sync: bool = False) -> float:
@@ -1489,11 +1696,11 @@ class DiskTier:
                         found += [(g.index, s, "checksum mismatch") for s in bad]
         return found
 
-    def relabel(self, group: int, slots: Iterable[int], records: Any) -> None:
+    def relabel(self, group: int, slots: Iterable[int], records: Any, durable: bool = True) -> None:
         """Give live pages new records, keeping their bytes: one journal frame, no data read or written
         (the checksum trades the old identity for the new one). For a page whose block was committed
         after the page reached the disk (it was written with an anonymous record, which recovery never
-        serves). ``UsageError`` for a slot with no page."""
+        serves). ``durable`` as for ``write``. ``UsageError`` for a slot with no page."""
         g = self._group(group)
         sl, _ = self._check_slots(g, slots)
         recs = journal.as_records(records, len(sl))
@@ -1510,10 +1717,13 @@ class DiskTier:
             gen = self._take_gens(len(sl))
             out["gen"] = _iota(gen, len(sl))
             out["csum"] = old["csum"] ^ journal.identity(old, self._fp) ^ journal.identity(out, self._fp)
-            self._append(g, g.free_records(), out)
-            g.clear_pending()
             journal.put(g.meta, sl, out)
-            self._maybe_checkpoint(g)
+            g.queue(out, bool(g.journaled[sl].all()))    # bytes journaled before are synced
+        if not durable:
+            self._commit_soon(g)
+            return
+        self._commit(g)
+        self._usable(g)
 
     def free(self, group: int, slots: Iterable[int]) -> None:
         """Forget the pages in ``slots``. The free records are journaled with the group's next append
@@ -1533,24 +1743,23 @@ class DiskTier:
                 raise UsageError(f"slot {int(sl[unknown][0])} of disk group {g.index} holds no page (freed twice?)")
             freed = sl[live]
             if len(freed):
-                g.live[freed] = False
-                g.n_live -= len(freed)
-                g.add_pending(freed, self._take_gens(len(freed)))
+                self._unlive(g, freed)
             g.forgotten[sl] = False
-            if g.n_pending >= PENDING_FREE_FLUSH and g.broken is None:
-                try:
-                    self._flush_locked(g)
-                except OSError as e:   # stays pending; a later append retries
-                    log.warning("disk tier: journaling frees of group %d failed: %s", g.index, e)
+            flush = g.n_pending >= PENDING_FREE_FLUSH and g.broken is None
+        if flush:
+            try:
+                self._commit(g)
+            except OSError as e:   # stays pending; a later append retries
+                log.warning("disk tier: journaling frees of group %d failed: %s", g.index, e)
 
     def flush(self) -> None:
-        """Make every pending journal record (frees) durable."""
+        """Make everything written or freed so far durable (journaled and synced)."""
         if self._closed:
             raise StoreClosedError("disk tier is closed")
         for g in self.groups:
-            with g.lock:
-                self._usable(g)
-                self._flush_locked(g)
+            self._usable(g)
+            self._commit(g)
+            self._usable(g)
 
     def checkpoint(self, group: int | None = None) -> None:
         """Rewrite the journal(s) as a snapshot of the live records."""
@@ -1558,7 +1767,7 @@ class DiskTier:
         if self._closed:
             raise StoreClosedError("disk tier is closed")
         for g in targets:
-            with g.lock:
+            with g.commit_lock, g.journal_lock, g.lock:
                 self._usable(g)
                 try:
                     self._checkpoint_locked(g)
@@ -1568,9 +1777,10 @@ class DiskTier:
     # ---- introspection / testing ----
 
     def inject_fault(self, op: str, err: int, count: int = 1) -> None:
-        """Make the next ``count`` ``op`` ("write" or "read") calls fail with OSError(err) at the I/O point."""
-        if op not in ("write", "read"):
-            raise UsageError(f"inject_fault: op must be 'write' or 'read', got {op!r}")
+        """Make the next ``count`` ``op`` calls fail with OSError(err) at the I/O point: "write" (a
+        write's data), "read", "sync" (a commit's sync of written data) or "journal" (an append)."""
+        if op not in ("write", "read", "sync", "journal"):
+            raise UsageError(f"inject_fault: op must be 'write', 'read', 'sync' or 'journal', got {op!r}")
         with self._stats_lock:
             self._faults.setdefault(op, []).extend([err] * count)
 
