@@ -321,8 +321,9 @@ class MigrationEngine:
                 plain = hot.array is not None and self._identity(lcs)     # emulated: host memory end to end
                 borrow = self.staging.borrow_array if plain else self.staging.borrow
                 with borrow(n_pages, width) as staging:
-                    await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
-                                      read_deps)
+                    if not (small and self._read_cached(busy, src_group, src_slots, staging, read_deps)):
+                        await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
+                                          read_deps)
 
                     def job() -> None:
                         if plain:
@@ -335,6 +336,19 @@ class MigrationEngine:
             self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
             self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
+
+    def _read_cached(self, busy: list[float], group: int, slots: Sequence[int], out, deps: Iterable[Event | None]) -> bool:
+        """A small disk read done here on the loop, when every page is in the page cache, the read
+        thread is idle and nothing the read depends on is pending (``DiskTier.read_cached``: it never waits for the device
+        or a lock). A promotion from disk then costs a memcpy, not two hops to the read thread and
+        back, each a wait for the GIL behind a busy loop."""
+        if not self.io_read.idle or any(e is not None and not e.query() for e in deps):
+            return False                # the read thread's queue keeps its order
+        t0 = time.perf_counter()
+        try:
+            return self.disk.read_cached(group, slots, out)
+        finally:
+            busy[0] += time.perf_counter() - t0
 
     async def _tee(self, batch: Batch, busy: list[float], copy: Callable[[torch.Tensor], object], n_pages: int,
                    width: int, deps: list) -> None:

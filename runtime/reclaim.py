@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("kvtier")
-MAX_BATCH = 256
+MAX_BATCH = 512          # the most pages one demotion batch takes: fewer, larger spills (each costs thread hand-offs)
 REFILL_BYTES = 2 << 20      # a refill step is up to this many bytes of pages (at least the reserve) ...
 STEP_SHARE = 0.004          # ... and at most this share of the store's slots per tier, and an eighth of the group
 

@@ -147,6 +147,7 @@ async def test_a_claim_split_into_batches_completes_page_by_page(tmp_path):
             time.sleep(0.3)
             return read(*args)
         store.disk.read = slow_read
+        store.disk.read_cached = lambda *args: False     # a slow disk: nothing in the page cache
         task = asyncio.ensure_future(seq.acquire())
         for _ in range(200):
             await asyncio.sleep(0.005)

@@ -157,6 +157,7 @@ PIECE_BYTES = 8 << 20            # one parallel pwritev/preadv covers at most th
 MAX_RUN_BYTES = 64 << 20         # one page-cache preadv covers at most this much (or one stride)
 MIN_PIECE_BYTES = 1 << 20        # ... and a batch is not split finer than this across I/O threads
 PARALLEL_MIN_BYTES = 8 << 20     # page-cache batches smaller than this do their I/O on one thread
+CACHED_READ_MAX = 1 << 20        # read_cached takes at most this many bytes (a memcpy on the caller's thread)
 IO_THREADS = 4                   # parallel pieces of one batch (queue depth, and bounce copies overlap I/O)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -691,7 +692,7 @@ class DiskTier:
         self._bounces: list[tuple[mmap.mmap, np.ndarray]] = []
         self._stats = dict(bytes_written=0, bytes_read=0, pages_written=0, pages_read=0, discarded=0,
                            checksum_seconds=0.0, io_seconds=0.0, fsync_seconds=0.0, checkpoints=0,
-                           commits=0, commit_failures=0)
+                           commits=0, commit_failures=0, cached_reads=0)
         self._due: set[int] = set()             # groups with writes for the committer (under _due_cv)
         self._due_cv = threading.Condition()
         self._committer: threading.Thread | None = None
@@ -1142,17 +1143,20 @@ class DiskTier:
         """Before ``slots`` are written over: if one has a pending free, append the pending frees
         (alone: a queued write never names a slot with a pending free, so the order between them
         does not matter) and make them durable."""
-        with g.journal_lock, g.lock:
-            if not g.pending[slots].any():        # a commit under way journaled them
-                return
-            self._usable(g)
-            frees, slots_taken, gens = g.take_pending()
-            try:
+        with g.journal_lock:
+            with g.lock:
+                if not g.pending[slots].any():        # a commit under way journaled them
+                    return
+                self._usable(g)
+                frees, slots_taken, gens = g.take_pending()
+            try:                    # the slots stay pending, so unwritable, until the frees are durable
                 self._append(g, frees)
             except BaseException:
-                g.restore_pending(slots_taken, gens)
+                with g.lock:
+                    g.restore_pending(slots_taken, gens)
                 raise
-            g.settle_pending(slots_taken)
+            with g.lock:
+                g.settle_pending(slots_taken)
 
     def _commit(self, g: _Group) -> None:
         """Journal what g has queued (group commit): sync the queued bytes, then append and sync
@@ -1587,7 +1591,7 @@ class DiskTier:
         return recs["csum"] ^ journal.identity(recs, self._fp)
 
     def _read_piece(self, g: _Group, out: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
-                    a: int, b: int) -> tuple[np.ndarray, np.ndarray, float]:
+                    a: int, b: int, nowait: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
         """Read slots ``sorted_slots[a:b]`` (adjacent when it bounces; else any, a preadv per run in one
         native call) into rows ``order[a:b]`` and verify them; returns (rows read short, rows failing
         their checksum, seconds spent hashing)."""
@@ -1610,7 +1614,7 @@ class DiskTier:
                 self._bounce_put(bounce)
         else:
             part = sorted_slots[a:b]
-            short = pread_rows(g.read_fd, out, rows, part * g.stride, g.stride) < g.slot_bytes
+            short = pread_rows(g.read_fd, out, rows, part * g.stride, g.stride, nowait) < g.slot_bytes
             if g.direct and not self.o_direct_reads:
                 # cold pages just promoted: do not keep a second copy in the page cache
                 for lo, hi in g.pieces(part, split=False):
@@ -1623,15 +1627,20 @@ class DiskTier:
         return rows[short], rows[bad], tck
 
     def _read_locked(self, g: _Group, slots: np.ndarray, order: np.ndarray,
-                     out: np.ndarray) -> tuple[list[int], list[int], float, float]:
+                     out: np.ndarray, nowait: bool = False) -> tuple[list[int], list[int], float, float]:
         """Read and verify (``order``: the slots' ascending order); returns (short slots,
-        checksum-mismatch slots, io seconds, checksum seconds)."""
+        checksum-mismatch slots, io seconds, checksum seconds). ``nowait``: one piece, from the
+        page cache only (``OSError`` EAGAIN where it would wait; see ``read_cached``)."""
         n = len(slots)
         sorted_slots = slots[order]
         short: list[np.ndarray] = []
         bad: list[np.ndarray] = []
         tck = 0.0
         t0 = time.perf_counter()
+        if nowait:
+            self._fault("read")
+            sh, bd, tck = self._read_piece(g, out, order, sorted_slots, 0, n, nowait=True)
+            return (sorted(slots[sh].tolist()), sorted(slots[bd].tolist()), time.perf_counter() - t0, tck)
         try:
             self._fault("read")
             parallel = self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES
@@ -1662,18 +1671,50 @@ class DiskTier:
             return
         with g.lock:
             self._check_live_locked(g, sl)
-            short, bad, tio, tck = self._read_locked(g, sl, order, arr)
-            self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck)
-            if short:
-                self._discard(g, short, "short read (segment ends before the page)")
-            if bad:
-                self._discard(g, bad, "checksum mismatch")
-            if short or bad:
-                err = CorruptPageError(f"disk group {g.index}: {len(short) + len(bad)} bad page(s): "
-                                       f"{sorted(short + bad)[:16]}")
-                err.slots = sorted(short + bad)
-                err.group = g.index
-                raise err
+            self._finish_read(g, sl, *self._read_locked(g, sl, order, arr))
+
+    def read_cached(self, group: int, slots: Iterable[int], out: torch.Tensor) -> bool:
+        """``read``, for a caller that must not block (the event loop): done only if every page is
+        in the page cache and nothing holds the group (True); otherwise False, with ``out``
+        undefined and nothing else changed, and the caller reads on a thread. Errors as ``read``.
+        Groups whose writes bypass the page cache (O_DIRECT) always answer False."""
+        g = self._group(group)
+        if g.direct or self.o_direct_reads:
+            return False
+        sl, order = self._check_slots(g, slots)
+        arr = self._as_rows(out, len(sl), g.slot_bytes, "out", writable=True)
+        if not len(sl) or len(sl) * g.stride > CACHED_READ_MAX or not g.lock.acquire(blocking=False):
+            return not len(sl)
+        try:
+            self._check_live_locked(g, sl)
+            try:
+                got = self._read_locked(g, sl, order, arr, nowait=True)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                raise _typed(e, f"reading {len(sl)} page(s) from {g.seg_path}") from e
+            self._finish_read(g, sl, *got)
+            with self._stats_lock:
+                self._stats["cached_reads"] += 1
+            return True
+        finally:
+            g.lock.release()
+
+    def _finish_read(self, g: _Group, sl: np.ndarray, short: list[int], bad: list[int], tio: float,
+                     tck: float) -> None:
+        """Under g.lock: count a read, and forget (and raise for) its bad pages."""
+        n = len(sl)
+        self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck)
+        if short:
+            self._discard(g, short, "short read (segment ends before the page)")
+        if bad:
+            self._discard(g, bad, "checksum mismatch")
+        if short or bad:
+            err = CorruptPageError(f"disk group {g.index}: {len(short) + len(bad)} bad page(s): "
+                                   f"{sorted(short + bad)[:16]}")
+            err.slots = sorted(short + bad)
+            err.group = g.index
+            raise err
 
     def verify_all(self, batch: int = 64) -> list[tuple[int, int, str]]:
         """Read and checksum every live page; discard the bad ones. Returns what it discarded."""

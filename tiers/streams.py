@@ -206,12 +206,17 @@ class HostStream:
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         ev = HostEvent() if event else None
-        if inline and self._finished == self._queued:
+        if inline and self.idle:
             self._execute(fn, ev)
             return ev
         self._queued += 1
         self._queue.put((fn, ev))
         return ev
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or running: work done on the caller's thread now keeps the order."""
+        return self._finished == self._queued
 
     @property
     def queued(self) -> int:

@@ -195,15 +195,18 @@ struct RowIoArgs {
 
 // out[index[i]] <- the file's `width` bytes at offsets[i]; returns the bytes read per page
 // (short only past the end of the file). One preadv per run of adjacent slots, GIL released.
-nb::object pread_rows(int fd, MutRows out, Index index, Index offsets, size_t stride) {
+// `nowait`: only from the page cache (OSError EAGAIN where it would wait), GIL kept - the
+// caller is the event loop's thread, which would wait behind any busy thread to get it back.
+nb::object pread_rows(int fd, MutRows out, Index index, Index offsets, size_t stride, bool nowait) {
   if (out.shape(1) && out.stride(1) != 1) throw nb::value_error("pread_rows: each row's bytes must be contiguous");
   RowIoArgs a(out.data(), out.shape(0), out.stride(0), out.shape(1), index, offsets, stride, "pread_rows");
   nb::object moved = nb::module_::import_("numpy").attr("zeros")(a.io.n, "dtype"_a = "int64");
   int64_t* m = nb::cast<nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>>(moved).data();
   int err;
   {
-    nb::gil_scoped_release nogil;
-    err = kvtier::move_rows(a.io, fd, false, m);
+    std::optional<nb::gil_scoped_release> nogil;
+    if (!nowait) nogil.emplace();
+    err = kvtier::move_rows(a.io, fd, false, m, nowait);
   }
   if (err) raise_errno(err, "pread_rows");
   return moved;
@@ -285,9 +288,10 @@ NB_MODULE(_native, m) {
         "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row; the GIL is released "
         "for a batch of at least the thread's keep_gil_below.");
   m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
-        "stride"_a,
+        "stride"_a, "nowait"_a = false,
         "out[index[i]] <- the row at file offset offsets[i]; bytes read per page (int64 array). One preadv per "
-        "run of adjacent offsets (each row then stride - width bytes of pad), GIL released.");
+        "run of adjacent offsets (each row then stride - width bytes of pad), GIL released. With nowait, only "
+        "what the page cache holds (preadv2 RWF_NOWAIT; OSError EAGAIN where it would wait), GIL kept.");
   m.def("pwrite_rows", &pwrite_rows, "fd"_a, "rows"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
         "stride"_a, "hashes"_a.noconvert() = nb::none(), "sync"_a = false,
         "The file at offsets[i] <- rows[index[i]] and stride - width zero bytes. One pwritev per run of "

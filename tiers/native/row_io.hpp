@@ -11,6 +11,11 @@
 // Invariant kept for the caller: on return, `moved[i]` is the number of page
 // i's `width` bytes that were transferred (all of them unless a read hit the
 // end of the file, or an error stopped the batch).
+//
+// A `nowait` read takes only what the page cache holds (preadv2 with
+// RWF_NOWAIT): where it would have to wait for the device or a lock it stops
+// with EAGAIN, so a caller that must not block (the event loop) can hand the
+// batch to a thread instead. Without RWF_NOWAIT it always stops with EAGAIN.
 #pragma once
 
 #include <sys/uio.h>
@@ -39,7 +44,17 @@ struct RowIo {
 // Moves every page; returns 0, or the errno that stopped it (moved[] says how
 // far each page got). A read that reaches the end of the file ends its run
 // there (its pages stay short) and goes on with the next run.
-inline int move_rows(const RowIo& io, int fd, bool write, int64_t* moved) {
+inline ssize_t read_nowait(int fd, const iovec* iov, int cnt, off_t off) {
+#ifdef RWF_NOWAIT
+  return ::preadv2(fd, iov, cnt, off, RWF_NOWAIT);
+#else
+  (void)fd, (void)iov, (void)cnt, (void)off;
+  errno = EAGAIN;
+  return -1;
+#endif
+}
+
+inline int move_rows(const RowIo& io, int fd, bool write, int64_t* moved, bool nowait = false) {
   const size_t pad_len = io.stride - io.width;
   const size_t per_page = pad_len ? 2 : 1;
 #ifdef IOV_MAX
@@ -64,7 +79,9 @@ inline int move_rows(const RowIo& io, int fd, bool write, int64_t* moved) {
     size_t done_in_run = 0; // bytes of the run moved so far
     while (v < iov.size()) {
       int cnt = int(std::min<size_t>(iov.size() - v, iov_max));
-      ssize_t k = write ? ::pwritev(fd, &iov[v], cnt, off) : ::preadv(fd, &iov[v], cnt, off);
+      ssize_t k = write    ? ::pwritev(fd, &iov[v], cnt, off)
+                  : nowait ? read_nowait(fd, &iov[v], cnt, off)
+                           : ::preadv(fd, &iov[v], cnt, off);
       if (k < 0) {
         if (errno == EINTR) continue;
         int err = errno;

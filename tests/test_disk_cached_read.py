@@ -1,0 +1,129 @@
+"""``DiskTier.read_cached``: a read the event loop may do itself, because it never waits - not for
+the device (only what the page cache holds, preadv2 RWF_NOWAIT) and not for a lock (the group's is
+only tried). Whatever it declines, ``read`` does on a thread; whatever it does, it verifies as
+``read`` does."""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import Store
+from tiers.disk import CACHED_READ_MAX, DiskTier, PageRecord
+from tiers.errors import CorruptPageError, TierIOError, UsageError
+
+from helpers import config, expected_block, fill, read_block, toks
+
+FP = {"test": "cached-read"}
+GROUPS = [(4096, 512)]
+
+
+def page_bytes(key: int) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 256, 4096, dtype=np.uint8)
+
+
+def put(tier: DiskTier, slots: list[int]) -> None:
+    rows = torch.from_numpy(np.stack([page_bytes(s) for s in slots]))
+    tier.write(0, slots, rows, [PageRecord(s + 1, None, 0, 0) for s in slots])
+
+
+def out_for(n: int) -> torch.Tensor:
+    return torch.zeros((n, 4096), dtype=torch.uint8)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier.open(str(tmp_path / "d"), FP, GROUPS, o_direct="off")
+    yield t
+    t.close()
+
+
+def test_pages_in_the_page_cache_read_back_exact(tier):
+    put(tier, list(range(40)))
+    slots = [7, 3, 30, 31, 32, 0]
+    out = out_for(len(slots))
+    assert tier.read_cached(0, slots, out) is True
+    assert all(np.array_equal(out[i].numpy(), page_bytes(s)) for i, s in enumerate(slots))
+    assert tier.stats["cached_reads"] == 1
+
+
+def test_pages_not_in_the_page_cache_are_left_to_a_thread(tier):
+    put(tier, list(range(16)))
+    g = tier.groups[0]
+    os.posix_fadvise(g.read_fd, 0, 0, os.POSIX_FADV_DONTNEED)     # written and synced: clean, so dropped
+    out = out_for(4)
+    if tier.read_cached(0, [0, 1, 2, 3], out):
+        pytest.skip("the kernel kept the pages cached (or ignores RWF_NOWAIT misses) here")
+    tier.read(0, [0, 1, 2, 3], out)                                 # the thread's read gets them
+    assert all(np.array_equal(out[i].numpy(), page_bytes(i)) for i in range(4))
+    assert tier.stats["cached_reads"] == 0 and tier.discarded == []
+
+
+def test_a_held_group_lock_is_never_waited_for(tier):
+    put(tier, [0, 1])
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with tier.groups[0].lock:
+            held.set()
+            release.wait(5)
+    th = threading.Thread(target=holder)
+    th.start()
+    try:
+        held.wait(5)
+        t0 = time.perf_counter()
+        assert tier.read_cached(0, [0, 1], out_for(2)) is False
+        assert time.perf_counter() - t0 < 0.5
+    finally:
+        release.set()
+        th.join()
+    assert tier.read_cached(0, [0, 1], out_for(2)) is True
+
+
+def test_damaged_bytes_are_caught_as_by_read(tier):
+    put(tier, [0, 1, 2])
+    g = tier.groups[0]
+    os.pwrite(g.seg_fd, b"\xff\x00\xff", 1 * g.stride + 100)        # page 1's bytes, in the page cache
+    with pytest.raises(CorruptPageError) as ei:
+        tier.read_cached(0, [0, 1, 2], out_for(3))
+    assert ei.value.slots == [1]
+    assert [d[:2] for d in tier.discarded] == [(0, 1)]
+    assert tier.read_cached(0, [0, 2], out_for(2)) is True
+
+
+def test_bad_input_and_faults_are_typed(tier):
+    put(tier, [0])
+    with pytest.raises(UsageError):
+        tier.read_cached(0, [5], out_for(1))                         # no page there
+    with pytest.raises(UsageError):
+        tier.read_cached(0, [0], torch.zeros((1, 100), dtype=torch.uint8))
+    tier.inject_fault("read", errno.EIO)
+    with pytest.raises(TierIOError):
+        tier.read_cached(0, [0], out_for(1))
+    assert tier.read_cached(0, [], out_for(0)) is True
+    big = CACHED_READ_MAX // 4096 + 1
+    put(tier, list(range(1, big + 1)))
+    assert tier.read_cached(0, list(range(big)), out_for(big)) is False   # too much for the loop
+
+
+async def test_store_promotions_from_disk_read_on_the_loop_and_exact(tmp_path):
+    cfg = config(gpu=8, host=8, disk=256, disk_dir=str(tmp_path))
+    async with Store.open(cfg) as store:
+        for base in range(12):                          # 48 blocks: most go down to the disk
+            await fill(store, toks(base, 4))
+        before = store.disk.stats["cached_reads"]
+        for base in range(4):                           # the oldest: on disk
+            seq = await store.open_sequence(tokens=toks(base, 4))
+            assert seq.matched_by_tier["disk"] > 0
+            await seq.acquire()
+            for i in range(seq.matched_blocks):
+                assert torch.equal(read_block(store, seq, 0, i), expected_block(store, seq, 0, i))
+            await seq.release()
+            await seq.close()
+        assert store.disk.stats["cached_reads"] > before
