@@ -37,7 +37,7 @@ from .stats import MoveStats
 
 log = logging.getLogger("kvtier")
 INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
-SPILL_CHUNK_BYTES = 32 << 20   # the most one disk write (one journal frame, one barrier) of a spill takes
+SPILL_CHUNK_BYTES = 32 << 20   # the most one disk write (one batch of the disk tier's queue) of a spill takes
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 # upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
 MOVE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -337,11 +337,12 @@ class MigrationEngine:
             self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
 
-    def _read_cached(self, busy: list[float], group: int, slots: Sequence[int], out, deps: Iterable[Event | None]) -> bool:
-        """A small disk read done here on the loop, when every page is in the page cache, the read
-        thread is idle and nothing the read depends on is pending (``DiskTier.read_cached``: it never waits for the device
-        or a lock). A promotion from disk then costs a memcpy, not two hops to the read thread and
-        back, each a wait for the GIL behind a busy loop."""
+    def _read_cached(self, busy: list[float], group: int, slots: Sequence[int], out,
+                     deps: Iterable[Event | None]) -> bool:
+        """A small disk read done here on the loop, when every page is in the page cache, the
+        read thread is idle and nothing the read depends on is pending (``DiskTier.read_cached``:
+        it never waits for the device or a lock). A promotion from disk then costs a memcpy, not
+        two hops to the read thread and back, each a wait for the GIL behind a busy loop."""
         if not self.io_read.idle or any(e is not None and not e.query() for e in deps):
             return False                # the read thread's queue keeps its order
         t0 = time.perf_counter()
@@ -387,7 +388,7 @@ class MigrationEngine:
 
     def _spill(self, src: np.ndarray, src_slots: list[int], group: int, dst_slots: Sequence[int],
                records: np.ndarray) -> None:
-        """Host rows to disk, one disk write (one journal frame, one barrier)
+        """Host rows to disk, one disk write (journaled by the tier's next commit)
         per chunk of up to SPILL_CHUNK_BYTES, straight from the slab: the
         disk tier writes scattered rows where they are (``index``). If a chunk
         fails, the chunks already written are freed again, so the batch fails

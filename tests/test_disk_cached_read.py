@@ -52,16 +52,55 @@ def test_pages_in_the_page_cache_read_back_exact(tier):
     assert tier.stats["cached_reads"] == 1
 
 
+def resident(fd: int, nbytes: int) -> list[bool]:
+    """Which 4 KiB pages of the file's first ``nbytes`` the page cache holds (mincore(2) on a
+    mapping: unlike a probing read, it starts no readahead)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        vec = ctypes.create_string_buffer(-(-nbytes // mmap.PAGESIZE))
+        assert libc.mincore(addr, nbytes, vec) == 0, os.strerror(ctypes.get_errno())
+        return [b & 1 == 1 for b in vec.raw]
+    finally:
+        libc.munmap(addr, nbytes)
+
+
 def test_pages_not_in_the_page_cache_are_left_to_a_thread(tier):
     put(tier, list(range(16)))
     g = tier.groups[0]
     os.posix_fadvise(g.read_fd, 0, 0, os.POSIX_FADV_DONTNEED)     # written and synced: clean, so dropped
+    if any(resident(g.read_fd, 4 * g.stride)):
+        pytest.skip("the kernel kept the pages cached here")
     out = out_for(4)
-    if tier.read_cached(0, [0, 1, 2, 3], out):
-        pytest.skip("the kernel kept the pages cached (or ignores RWF_NOWAIT misses) here")
+    assert tier.read_cached(0, [0, 1, 2, 3], out) is False          # it would have waited for the device
     tier.read(0, [0, 1, 2, 3], out)                                 # the thread's read gets them
     assert all(np.array_equal(out[i].numpy(), page_bytes(i)) for i in range(4))
     assert tier.stats["cached_reads"] == 0 and tier.discarded == []
+
+
+@pytest.mark.parametrize("err", [errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS])
+def test_a_kernel_or_filesystem_without_nowait_reads_sends_every_read_to_the_thread(tier, monkeypatch, err):
+    from tiers import disk as disk_mod
+    real = disk_mod.pread_rows
+
+    def refusing(fd, out, index, offsets, stride, nowait=False):
+        if nowait:
+            raise OSError(err, os.strerror(err))
+        return real(fd, out, index, offsets, stride)
+    monkeypatch.setattr(disk_mod, "pread_rows", refusing)
+    put(tier, [0, 1])
+    out = out_for(2)
+    assert tier.read_cached(0, [0, 1], out) is False                # declined, not an error
+    assert tier.read_cached(0, [0, 1], out) is False                # and not tried again
+    tier.read(0, [0, 1], out)
+    assert np.array_equal(out[1].numpy(), page_bytes(1)) and tier.discarded == []
 
 
 def test_a_held_group_lock_is_never_waited_for(tier):

@@ -294,3 +294,209 @@ def test_bad_fault_name_is_a_usage_error(tmp_path):
         with pytest.raises(UsageError, match="'sync'"):
             tier.inject_fault("fsync", errno.EIO)
     assert not os.path.exists(os.path.join(str(tmp_path / "d"), "group-0.journal.tmp"))
+
+
+# ---- the order of syncs: what crash images and SIGKILL cannot see (the page cache survives them) ----
+
+class SyncLog:
+    """Every data write, sync and journal append the tier makes, in the order they happen (a data
+    write logged when it is done, a sync when it starts), so that a test can check the order a
+    power cut would need: a journal record only after a sync of the segment that began after its
+    page's bytes were written."""
+
+    def __init__(self, monkeypatch, tier: DiskTier) -> None:
+        from tiers import disk as disk_mod
+        self.events: list[tuple] = []
+        self.lock = threading.Lock()
+        self.seg = {g.seg_fd for g in tier.groups}
+        self.seg_of = {g.journal_path: g.seg_fd for g in tier.groups}
+        real_rows, real_all, real_sync, real_replace = (disk_mod.pwrite_rows, disk_mod.pwrite_all, os.fdatasync,
+                                                        os.replace)
+
+        def pwrite_rows(fd, rows, index, offsets, stride, hashes=None, sync=False):
+            out = real_rows(fd, rows, index, offsets, stride, hashes, False)
+            self.log("data", fd, (np.asarray(offsets) // stride).tolist())
+            if sync:
+                self.log("sync", fd)
+                real_sync(fd)
+            return out
+
+        def pwrite_all(fd, data, offset, sync):
+            self.log("append", fd, bytes(data))
+            real_all(fd, data, offset, False)
+            if sync:
+                real_sync(fd)
+
+        def fdatasync(fd):
+            self.log("sync", fd)
+            real_sync(fd)
+
+        def replace(src, dst):
+            self.log("replace", dst)
+            real_replace(src, dst)
+        monkeypatch.setattr(disk_mod, "pwrite_rows", pwrite_rows)
+        monkeypatch.setattr(disk_mod, "pwrite_all", pwrite_all)
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        monkeypatch.setattr(os, "replace", replace)
+
+    def log(self, *event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def check(self) -> tuple[int, int]:
+        """Assert the order; returns (records checked, compactions checked)."""
+        from tiers.journal import FRAME, RECORD, WRITE
+        written: dict[tuple[int, int], int] = {}     # (seg fd, slot) -> index of its last data write
+        synced: dict[int, int] = {}                  # seg fd -> index of its last sync's start
+        n_records = n_replaced = 0
+        for i, ev in enumerate(self.events):
+            if ev[0] == "data":
+                for s in ev[2]:
+                    written[ev[1], s] = i
+            elif ev[0] == "sync" and ev[1] in self.seg:
+                synced[ev[1]] = i
+            elif ev[0] == "append":
+                recs = np.frombuffer(ev[2][FRAME.size:], dtype=RECORD)
+                for r in recs[recs["kind"] == WRITE]:
+                    fds = [fd for fd in self.seg if (fd, int(r["slot"])) in written]
+                    assert fds, f"a record for slot {int(r['slot'])}, never written"
+                    assert any(synced.get(fd, -1) > written[fd, int(r["slot"])] for fd in fds), \
+                        f"slot {int(r['slot'])}'s record appended before a sync of its bytes (event {i})"
+                    n_records += 1
+            elif ev[0] == "replace" and ev[1] in self.seg_of:
+                fd = self.seg_of[ev[1]]             # a compaction's snapshot names every live page
+                last = max((j for (f, _), j in written.items() if f == fd), default=-1)
+                assert last < 0 or synced.get(fd, -1) > last, f"a compaction before the segment's sync (event {i})"
+                n_replaced += 1
+        return n_records, n_replaced
+
+
+def test_every_record_reaches_the_journal_after_a_sync_of_its_bytes(tmp_path, monkeypatch):
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS, o_direct="off")
+    tier.checkpoint_floor = 16 << 10            # compactions happen too
+    synclog = SyncLog(monkeypatch, tier)
+    rng = np.random.default_rng(3)
+    live: dict[int, int] = {}
+    key = 1
+    try:
+        for step in range(300):
+            free = [s for s in range(GROUPS[0][1]) if s not in live]
+            if live and (rng.random() < 0.3 or len(free) < 40):
+                victims = [int(s) for s in rng.choice(sorted(live), size=min(len(live), 20), replace=False)]
+                tier.free(0, victims)
+                for s in victims:
+                    del live[s]
+            elif live and rng.random() < 0.1:
+                s = int(rng.choice(sorted(live)))
+                tier.relabel(0, [s], [rec(key, live[s], 0)], durable=False)
+                key += 1
+            else:
+                slots = [int(s) for s in rng.choice(free, size=int(rng.integers(1, 30)), replace=False)]
+                write(tier, 0, slots, list(range(key, key + len(slots))), durable=bool(rng.random() < 0.1))
+                live.update({s: key + i for i, s in enumerate(slots)})
+                key += len(slots)
+            if step % 50 == 49:
+                tier.flush()
+            if step == 150:
+                tier.checkpoint(0)
+    finally:
+        tier.close()
+    n_records, n_replaced = synclog.check()
+    assert n_records > 500 and n_replaced >= 2
+
+
+# ---- failures of the committer: reported, retried, survived ----
+
+def test_a_failed_background_commit_is_retried_without_more_writes(tmp_path):
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    try:
+        tier.inject_fault("journal", errno.EIO)
+        write(tier, 0, [0, 1, 2, 3], [1, 2, 3, 4])
+        wait_for(lambda: tier.stats["commits"] >= 1)         # the retry, with nothing else happening
+        assert tier.stats["commit_failures"] == 1
+        assert reopen_image(tier.path, tmp_path / "img") == {(0, s): (s + 1, s + 1) for s in range(4)}
+    finally:
+        tier.close()
+
+
+def test_a_journal_that_stays_full_stops_the_next_write_with_disk_full(tmp_path):
+    from tiers.errors import DiskFullError
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    try:
+        tier.inject_fault("journal", errno.ENOSPC, count=3)
+        write(tier, 0, [0, 1], [1, 2])                      # written; its commit fails in the background
+        wait_for(lambda: tier.groups[0].commit_error is not None)
+        with pytest.raises(DiskFullError):                  # reported to the next write, which adds nothing
+            write(tier, 0, [5], [6])
+        with pytest.raises(UsageError):
+            read(tier, 0, [5])
+        wait_for(lambda: tier.stats["commits"] >= 1, timeout=15)   # the faults run out; a retry succeeds
+        write(tier, 0, [5], [6])
+        tier.flush()
+        assert reopen_image(tier.path, tmp_path / "img") == {(0, 0): (1, 1), (0, 1): (2, 2), (0, 5): (6, 6)}
+    finally:
+        tier.close()
+
+
+def test_the_committer_outlives_an_unexpected_error(tmp_path, monkeypatch):
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    real = DiskTier._maybe_checkpoint
+    calls = []
+
+    def once(self, g):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("simulated")
+        return real(self, g)
+    monkeypatch.setattr(DiskTier, "_maybe_checkpoint", once)
+    try:
+        write(tier, 0, [0], [1])
+        wait_for(lambda: len(calls) >= 1)
+        write(tier, 0, [1], [2])
+        wait_for(lambda: len(calls) >= 2)
+        assert tier._committer.thread.is_alive()
+        tier.flush()
+        assert reopen_image(tier.path, tmp_path / "img") == {(0, 0): (1, 1), (0, 1): (2, 2)}
+    finally:
+        tier.close()
+
+
+def test_a_failed_durable_relabel_keeps_the_old_records(tmp_path):
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    try:
+        write(tier, 0, [0], [1], durable=True)
+        tier.inject_fault("journal", errno.EIO)
+        with pytest.raises(TierIOError):
+            tier.relabel(0, [0], [rec(99, 1, 0)])
+        assert tier.record(0, 0).key == 1
+        assert np.array_equal(read(tier, 0, [0])[0].numpy(), page_bytes(1, 4096))   # its checksum still fits
+    finally:
+        tier.close()
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    try:
+        assert check_exact(tier) == {(0, 0): (1, 1)}
+    finally:
+        tier.close()
+
+
+def test_durable_must_be_a_bool(tmp_path):
+    with DiskTier.open(str(tmp_path / "d"), FP, GROUPS) as tier:
+        with pytest.raises(UsageError, match="durable"):
+            write(tier, 0, [0], [1], durable=None)
+        with pytest.raises(UsageError, match="durable"):
+            tier.relabel(0, [0], [rec(2, 1, 0)], durable="no")
+        assert tier.live_slots(0) == []
+
+
+def test_a_tier_nobody_closed_lets_its_committer_go(tmp_path):
+    import gc
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    write(tier, 0, [0], [1])
+    tier.flush()
+    thread = tier._committer.thread
+    assert thread.is_alive()
+    tier._release_fds()                 # what close() would release; the tier itself is just dropped
+    del tier
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()

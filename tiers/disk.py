@@ -56,19 +56,25 @@ it, then appends one frame with their records (those still current: a page
 freed, rewritten or relabelled meanwhile is left out) and the group's pending
 frees, and fdatasyncs the journal. ``write(durable=True)`` (the default)
 commits before it returns; ``write(durable=False)``, what the store uses,
-returns after step 3 and the tier's committer thread commits soon after, so
-many spills share one pair of syncs and none waits for them. ``flush()`` and
-``close()`` commit what is queued.
+returns after step 3 and the tier's committer thread commits soon after: a
+spill does not wait for the syncs of its own bytes and records, and a commit
+covers every batch queued while the one before it ran. A spill still waits
+for step 1 when it overwrites slots freed since the last commit, which is
+most spills once the disk is full (freed slots are reused first).
+``flush()`` and ``close()`` commit what is queued.
 
 So the journal never points at unwritten data; a crash loses at most the
 batches not yet committed, never serves wrong bytes. A failure at steps 1-2
 (``ENOSPC`` -> ``DiskFullError``; any other ``OSError`` -> ``TierIOError``)
 leaves every slot's previous state as it was; a failed journal append is
 rolled back by truncating the journal to its previous length and its records
-stay queued for the next commit; a failed sync of the segment makes the group
-unusable until it is reopened (after a failed fdatasync Linux may have
-dropped the dirty pages: nothing written since the previous sync can be
-trusted) and its records are never journaled. ``write()`` only takes free
+stay queued: the committer retries (after 50 ms, doubling up to 1 s), and
+the group's next write commits first, so it reports the failure
+(``DiskFullError`` for a full filesystem) rather than pile more on. A failed
+sync of the segment makes the group unusable until it is reopened (after a
+failed fdatasync Linux may have dropped the dirty pages: nothing written
+since the previous sync can be trusted) and its records are never
+journaled. ``write()`` only takes free
 slots (writing over a live page is a ``UsageError``: free it first), which is
 what makes "nothing previously stored is lost" hold even when the data write
 fails half-way. Frees are journaled lazily (with the group's next commit or
@@ -129,6 +135,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
@@ -159,6 +166,8 @@ MIN_PIECE_BYTES = 1 << 20        # ... and a batch is not split finer than this 
 PARALLEL_MIN_BYTES = 8 << 20     # page-cache batches smaller than this do their I/O on one thread
 CACHED_READ_MAX = 1 << 20        # read_cached takes at most this many bytes (a memcpy on the caller's thread)
 IO_THREADS = 4                   # parallel pieces of one batch (queue depth, and bounce copies overlap I/O)
+# preadv2(RWF_NOWAIT) refused by this kernel (< 4.14), filesystem or sandbox: read_cached stops trying
+_NOWAIT_UNSUPPORTED = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.EPERM}
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 _HEADER = "HEADER"
@@ -324,17 +333,18 @@ class _Group:
     ``queued`` holds the records of writes and relabels whose bytes are written
     but not yet journaled (each with whether its bytes are already synced), in
     order; a commit journals those still current (the slot live, the generation
-    its ``meta``'s). ``queued_seq`` counts the batches queued, ``durable_seq``
-    the batches a finished commit covered. Lock order: ``write_lock`` (one
-    write at a time), ``commit_lock`` (one commit at a time, from its snapshot
-    of ``queued`` to its frame durable), ``journal_lock`` (one append or
-    compaction at a time), ``lock`` (the slot table; held only briefly, except
-    by the synchronous appends of frees a write needs first).
+    its ``meta``'s). ``commit_error``: the last background commit failed (it
+    is retried; the next write tries first and reports it). Lock order:
+    ``write_lock`` (one write at a time), ``commit_lock`` (one commit at a
+    time, from its snapshot of ``queued`` to its frame durable),
+    ``journal_lock`` (one append or compaction at a time), ``lock`` (the slot
+    table and the segment's size; held only around bookkeeping, and by a
+    compaction).
     """
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
                  "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "meta", "live", "pending", "forgotten",
                  "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "write_lock", "broken", "pad", "direct",
-                 "dir_unsynced", "journaled", "queued", "queued_seq", "durable_seq", "journal_lock", "commit_lock")
+                 "dir_unsynced", "journaled", "queued", "commit_error", "journal_lock", "commit_lock")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
         self.index = index
@@ -356,13 +366,12 @@ class _Group:
         self.forgotten = np.zeros(0, dtype=bool)
         self.journaled = np.zeros(0, dtype=bool)
         self.queued: list[tuple[np.ndarray, bool]] = []
-        self.queued_seq = 0
-        self.durable_seq = 0
+        self.commit_error: OSError | None = None
         self.pending_slots: list[np.ndarray] = []
         self.pending_gens: list[np.ndarray] = []
         self.n_pending = 0
         self.n_live = 0
-        self.lock = threading.Lock()          # the slot table, the journal and the segment's size
+        self.lock = threading.Lock()          # the slot table and the segment's size (see the docstring)
         self.write_lock = threading.Lock()    # one write() at a time; taken before `lock`, never after
         self.commit_lock = threading.Lock()   # one commit at a time; see the class docstring for the order
         self.journal_lock = threading.Lock()  # one journal append (or compaction) at a time
@@ -431,15 +440,13 @@ class _Group:
         self.n_live -= len(slots)
         return slots[self.journaled[slots]]
 
-    def queue(self, records: np.ndarray, synced: bool) -> int:
-        """Queue a batch's records for the next commit; returns its sequence number."""
+    def queue(self, records: np.ndarray, synced: bool) -> None:
+        """Queue a batch's records for the next commit."""
         self.queued.append((records, synced))
-        self.queued_seq += 1
-        return self.queued_seq
 
-    def take_queued(self) -> tuple[list[tuple[np.ndarray, bool]], int]:
+    def take_queued(self) -> list[tuple[np.ndarray, bool]]:
         taken, self.queued = self.queued, []
-        return taken, self.queued_seq
+        return taken
 
     def current(self, recs: np.ndarray) -> np.ndarray:
         """The records of ``recs`` still their slot's live page (a later free, write or relabel
@@ -660,6 +667,42 @@ class _Replay:
             self.dirty = True
 
 
+class _Committer:
+    """The committer thread's state, apart from the tier: the thread holds the tier only weakly
+    (between turns), so a tier nobody closed can still be collected, and its thread then ends."""
+    __slots__ = ("cv", "due", "closed", "thread")
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.due: dict[int, float] = {}      # group -> when to commit it (0: now)
+        self.closed = False
+        self.thread: threading.Thread | None = None
+
+    def run(self, tier_ref: "weakref.ref[DiskTier]") -> None:
+        retry: dict[int, float] = {}         # group -> its last retry delay
+        while True:
+            with self.cv:
+                while True:
+                    now = time.monotonic()
+                    ready = sorted(i for i, t in self.due.items() if t <= now)
+                    if ready or (self.closed and not self.due):
+                        break
+                    if self.closed:          # close() journals the rest itself
+                        return
+                    self.cv.wait(min([t - now for t in self.due.values()] + [1.0]))
+                    if tier_ref() is None:
+                        return
+                if not ready:
+                    return
+                for i in ready:
+                    del self.due[i]
+            tier = tier_ref()
+            if tier is None:
+                return
+            tier._commit_due(ready, retry)
+            del tier
+
+
 # -- the tier ------------------------------------------------------------------------------------
 
 class DiskTier:
@@ -693,9 +736,8 @@ class DiskTier:
         self._stats = dict(bytes_written=0, bytes_read=0, pages_written=0, pages_read=0, discarded=0,
                            checksum_seconds=0.0, io_seconds=0.0, fsync_seconds=0.0, checkpoints=0,
                            commits=0, commit_failures=0, cached_reads=0)
-        self._due: set[int] = set()             # groups with writes for the committer (under _due_cv)
-        self._due_cv = threading.Condition()
-        self._committer: threading.Thread | None = None
+        self._committer = _Committer()
+        self._nowait = True                # preadv2(RWF_NOWAIT) works here (read_cached)
 
     # ---- open / close ----
 
@@ -1124,9 +1166,7 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             self._fault("journal")
-            if g.dir_unsynced:        # a compaction's rename is not durable yet: nothing after it would be
-                _fsync_dir(self.path)
-                g.dir_unsynced = False
+            self._sync_dir(g)
             pwrite_all(g.journal_fd, frame, start, self.fsync)     # the frame and its barrier: one GIL release
         except OSError as e:
             try:
@@ -1158,83 +1198,107 @@ class DiskTier:
             with g.lock:
                 g.settle_pending(slots_taken)
 
+    def _sync_dir(self, g: _Group) -> None:
+        """A compaction's rename is not durable until the directory is synced: nothing after it
+        would be. Retried by every append (and idle commit) until it succeeds."""
+        if g.dir_unsynced:
+            _fsync_dir(self.path)
+            g.dir_unsynced = False
+
+    def _sync_segment(self, g: _Group) -> None:
+        """fdatasync g's segment. On failure the group is unusable: after a failed fdatasync Linux
+        may drop the dirty pages, so nothing written since the previous sync can be trusted."""
+        t0 = time.perf_counter()
+        try:
+            self._fault("sync")
+            os.fdatasync(g.seg_fd)
+        except OSError as e:
+            g.broken = f"syncing the segment failed ({e.strerror}): what was written since the previous " \
+                       "sync may be lost"
+            raise _typed(e, f"syncing {g.seg_path}") from e
+        self._add_stats(fsync_seconds=time.perf_counter() - t0)
+
     def _commit(self, g: _Group) -> None:
         """Journal what g has queued (group commit): sync the queued bytes, then append and sync
         one frame with the queued records still current and the pending frees. Writes queued
         meanwhile wait for the next commit. ``OSError`` (typed) on failure: a failed append is
-        rolled back and its records stay queued; a failed sync of the segment makes the group
-        unusable (Linux may have dropped the dirty pages, so nothing written since the last
-        barrier can be trusted), and its records are never journaled."""
-        with g.commit_lock:
-            with g.lock:
-                if g.broken is not None:
-                    return
-                snap, seq = g.take_queued()
-                if not snap and not g.n_pending:
-                    g.durable_seq = seq
-                    return
-            if self.fsync and not all(synced for _, synced in snap):
-                t0 = time.perf_counter()
-                try:
-                    self._fault("sync")
-                    os.fdatasync(g.seg_fd)
-                except OSError as e:
-                    with g.lock:
-                        g.broken = f"syncing the segment failed ({e.strerror}): what was written since the " \
-                                   "previous sync may be lost"
-                    raise _typed(e, f"syncing {g.seg_path}") from e
-                self._add_stats(fsync_seconds=time.perf_counter() - t0)
-            with g.journal_lock:
+        rolled back and its records stay queued; a failed sync of the segment breaks the group
+        (``_sync_segment``) and its records are never journaled."""
+        try:
+            with g.commit_lock:
                 with g.lock:
-                    recs = g.current(journal.concat([r for r, _ in snap])) if snap else np.zeros(0, RECORD)
-                    g.journaled[recs["slot"].astype(np.int64)] = True     # before a free can look
-                    frees, free_slots, free_gens = g.take_pending()
-                try:
-                    self._append(g, recs, frees)
-                except BaseException:
+                    if g.broken is not None:
+                        return
+                    snap = g.take_queued()
+                    idle = not snap and not g.n_pending
+                if idle:
+                    with g.journal_lock:
+                        self._sync_dir(g)
+                    return
+                if self.fsync and not all(synced for _, synced in snap):
+                    self._sync_segment(g)
+                with g.journal_lock:
                     with g.lock:
-                        g.queued[:0] = [(recs, True)]
-                        g.restore_pending(free_slots, free_gens)
-                    raise
-                with g.lock:
-                    g.settle_pending(free_slots)
-                    g.durable_seq = seq
-                    self._add_stats(commits=1)
-                    self._maybe_checkpoint(g)
+                        recs = g.current(journal.concat([r for r, _ in snap])) if snap else np.zeros(0, RECORD)
+                        slots = recs["slot"].astype(np.int64)
+                        before = g.journaled[slots]
+                        g.journaled[slots] = True               # before a free can look
+                        frees, free_slots, free_gens = g.take_pending()
+                    try:
+                        self._append(g, recs, frees)
+                    except BaseException:
+                        with g.lock:
+                            # never journaled after all, unless freed meanwhile (pending implies journaled)
+                            back = slots[~before & ~g.pending[slots]]
+                            g.journaled[back] = False
+                            g.queued[:0] = [(recs, True)]
+                            g.restore_pending(free_slots, free_gens)
+                        raise
+                    with g.lock:
+                        g.settle_pending(free_slots)
+                        g.commit_error = None
+                        self._add_stats(commits=1)
+                        self._maybe_checkpoint(g)
+        except OSError:
+            with self._stats_lock:
+                self._stats["commit_failures"] += 1
+            raise
 
     def _commit_soon(self, g: _Group) -> None:
         """Have the committer thread journal g's queued writes (started on first use)."""
-        with self._due_cv:
-            if self._closed:            # close() journals what is queued once writes under way finish
+        c = self._committer
+        with c.cv:
+            if c.closed:            # close() journals what is queued once writes under way finish
                 return
-            self._due.add(g.index)
-            if self._committer is None:
-                self._committer = threading.Thread(target=self._run_committer, name="kvtier-disk-commit",
-                                                   daemon=True)
-                self._committer.start()
-            self._due_cv.notify()
+            c.due[g.index] = 0.0
+            if c.thread is None:
+                c.thread = threading.Thread(target=_Committer.run, args=(c, weakref.ref(self)),
+                                            name="kvtier-disk-commit", daemon=True)
+                c.thread.start()
+            c.cv.notify()
 
-    def _run_committer(self) -> None:
-        while True:
-            with self._due_cv:
-                while not self._due and not self._closed:
-                    self._due_cv.wait()
-                if not self._due:
-                    return
-                due, self._due = sorted(self._due), set()
-            for i in due:
-                g = self.groups[i]
-                try:
-                    self._commit(g)
-                except OSError as e:
-                    with self._stats_lock:
-                        self._stats["commit_failures"] += 1
-                    log.error("disk tier: group %d: journaling written pages failed: %s", g.index, e)
+    def _commit_due(self, due: list[int], retry: dict[int, float]) -> None:
+        """The committer's turn: commit each due group; one that fails (and is not broken) is
+        retried later, with a growing delay, and its error goes to the group's next write."""
+        for i in due:
+            g = self.groups[i]
+            try:
+                self._commit(g)
+                retry.pop(i, None)
+            except Exception as e:      # noqa: BLE001 - the committer must outlive any one failure
+                log.error("disk tier: group %d: journaling written pages failed: %r", g.index, e)
+                if isinstance(e, OSError) and g.broken is None:
+                    g.commit_error = e
+                delay = retry[i] = min(1.0, 2 * retry.get(i, 0.025))
+                with self._committer.cv:
+                    self._committer.due[i] = time.monotonic() + delay
 
     def _stop_committer(self) -> None:
-        with self._due_cv:
-            t, self._committer = self._committer, None
-            self._due_cv.notify()
+        c = self._committer
+        with c.cv:
+            c.closed = True
+            t, c.thread = c.thread, None
+            c.cv.notify()
         if t is not None:
             t.join()
 
@@ -1250,13 +1314,7 @@ class DiskTier:
         """Rewrite g's journal as a snapshot of its live records (the caller holds g's commit, journal
         and slot-table locks). Queued writes are in the snapshot, so their bytes are synced first."""
         if self.fsync and not all(synced for _, synced in g.queued):
-            try:
-                self._fault("sync")
-                os.fdatasync(g.seg_fd)
-            except OSError as e:
-                g.broken = f"syncing the segment failed ({e.strerror}): what was written since the " \
-                           "previous sync may be lost"
-                raise _typed(e, f"syncing {g.seg_path}") from e
+            self._sync_segment(g)
             g.queued = [(r, True) for r, _ in g.queued]
         tmp = g.journal_path + ".tmp"
         with self._gen_lock:
@@ -1316,7 +1374,6 @@ class DiskTier:
         g.clear_pending()          # the snapshot already leaves freed slots out ...
         g.queued = []              # ... and holds every live record
         g.journaled = g.live.copy()
-        g.durable_seq = g.queued_seq
         self._add_stats(checkpoints=1)
         if g.dir_unsynced:
             try:
@@ -1471,6 +1528,8 @@ class DiskTier:
         after either, every slot is as it was before the call.
         """
         g = self._group(group)
+        if type(durable) is not bool:
+            raise UsageError(f"durable must be True or False, got {durable!r}")
         sl, order = self._check_slots(g, slots)
         n = len(sl)
         recs = journal.as_records(records, n)
@@ -1504,6 +1563,10 @@ class DiskTier:
                 sorted_slots = sl[order]
                 self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
                 frees_first = bool(g.pending[sl].any())
+                failed = g.commit_error is not None
+            # 0. a background commit failed: it must go through before more piles up behind it
+            if failed:
+                self._commit(g)
             # 1. frees of the target slots must be durable before their old bytes are overwritten
             if frees_first:
                 self._append_frees(g, sl)
@@ -1679,7 +1742,7 @@ class DiskTier:
         undefined and nothing else changed, and the caller reads on a thread. Errors as ``read``.
         Groups whose writes bypass the page cache (O_DIRECT) always answer False."""
         g = self._group(group)
-        if g.direct or self.o_direct_reads:
+        if g.direct or self.o_direct_reads or not self._nowait:
             return False
         sl, order = self._check_slots(g, slots)
         arr = self._as_rows(out, len(sl), g.slot_bytes, "out", writable=True)
@@ -1689,9 +1752,14 @@ class DiskTier:
             self._check_live_locked(g, sl)
             try:
                 got = self._read_locked(g, sl, order, arr, nowait=True)
-            except BlockingIOError:
-                return False
             except OSError as e:
+                if e.errno == errno.EAGAIN:
+                    return False
+                if e.errno in _NOWAIT_UNSUPPORTED:      # this kernel or filesystem: never again
+                    self._nowait = False
+                    log.info("disk tier %s: reads without waiting are not supported here (%s); reads go "
+                             "to a thread", self.path, e.strerror)
+                    return False
                 raise _typed(e, f"reading {len(sl)} page(s) from {g.seg_path}") from e
             self._finish_read(g, sl, *got)
             with self._stats_lock:
@@ -1738,11 +1806,14 @@ class DiskTier:
         return found
 
     def relabel(self, group: int, slots: Iterable[int], records: Any, durable: bool = True) -> None:
-        """Give live pages new records, keeping their bytes: one journal frame, no data read or written
-        (the checksum trades the old identity for the new one). For a page whose block was committed
-        after the page reached the disk (it was written with an anonymous record, which recovery never
-        serves). ``durable`` as for ``write``. ``UsageError`` for a slot with no page."""
+        """Give live pages new records, keeping their bytes: journal records with the next commit,
+        no data read or written (the checksum trades the old identity for the new one). For a page
+        whose block was committed after the page reached the disk (it was written with an anonymous
+        record, which recovery never serves). ``durable`` as for ``write`` (a durable relabel that
+        fails leaves the old records). ``UsageError`` for a slot with no page."""
         g = self._group(group)
+        if type(durable) is not bool:
+            raise UsageError(f"durable must be True or False, got {durable!r}")
         sl, _ = self._check_slots(g, slots)
         recs = journal.as_records(records, len(sl))
         if len(sl) and journal.malformed(recs, stored=False).any():
@@ -1763,13 +1834,20 @@ class DiskTier:
         if not durable:
             self._commit_soon(g)
             return
-        self._commit(g)
-        self._usable(g)
+        try:
+            self._commit(g)
+            self._usable(g)
+        except BaseException:
+            with g.lock:                    # the old records again, where nothing superseded ours
+                ours = g.live[sl] & (g.meta["gen"][sl] == out["gen"])
+                journal.put(g.meta, sl[ours], journal.take(old, ours))
+            raise
 
     def free(self, group: int, slots: Iterable[int]) -> None:
-        """Forget the pages in ``slots``. The free records are journaled with the group's next append
-        (``write``, ``flush``, ``close``), and always before a freed slot is written again. Freeing a
-        slot that ``read``/``verify_all`` already discarded is accepted (a no-op)."""
+        """Forget the pages in ``slots``. Free records are needed only for pages the journal names;
+        they are journaled with the group's next commit (``flush``, ``close``, the committer) and
+        always before a freed slot is written again. Freeing a slot that ``read``/``verify_all``
+        already discarded is accepted (a no-op)."""
         g = self._group(group)
         sl, _ = self._check_slots(g, slots)
         if not len(sl):
@@ -1800,6 +1878,12 @@ class DiskTier:
         for g in self.groups:
             self._usable(g)
             self._commit(g)
+            with g.journal_lock:                # frees an append under way took: durable, or pending again
+                pass
+            with g.lock:
+                again = bool(g.queued or g.n_pending)
+            if again:
+                self._commit(g)
             self._usable(g)
 
     def checkpoint(self, group: int | None = None) -> None:
