@@ -73,16 +73,25 @@ def resident(fd: int, nbytes: int) -> list[bool]:
 
 
 def test_pages_not_in_the_page_cache_are_left_to_a_thread(tier):
-    put(tier, list(range(16)))
+    """A miss fails rather than wait for the device, but the readahead it starts may bring the
+    pages in before the kernel gives up, so one try can succeed: of a dozen tries on evicted
+    pages some must decline, and every read, either way, gets the right bytes."""
+    put(tier, list(range(96)))
     g = tier.groups[0]
-    os.posix_fadvise(g.read_fd, 0, 0, os.POSIX_FADV_DONTNEED)     # written and synced: clean, so dropped
-    if any(resident(g.read_fd, 4 * g.stride)):
+    declined = 0
+    for k in range(12):
+        slots = [8 * k + i for i in range(4)]
+        os.posix_fadvise(g.read_fd, 0, 0, os.POSIX_FADV_DONTNEED)     # written and synced: clean, so dropped
+        if any(resident(g.read_fd, 96 * g.stride)[slots[0]:slots[-1] + 1]):
+            continue                                                # the kernel kept them: no trial
+        out = out_for(4)
+        if not tier.read_cached(0, slots, out):
+            declined += 1
+            tier.read(0, slots, out)                                # the thread's read gets them
+        assert all(np.array_equal(out[i].numpy(), page_bytes(s)) for i, s in enumerate(slots))
+    if declined == 0 and tier.stats["cached_reads"] == 0:
         pytest.skip("the kernel kept the pages cached here")
-    out = out_for(4)
-    assert tier.read_cached(0, [0, 1, 2, 3], out) is False          # it would have waited for the device
-    tier.read(0, [0, 1, 2, 3], out)                                 # the thread's read gets them
-    assert all(np.array_equal(out[i].numpy(), page_bytes(i)) for i in range(4))
-    assert tier.stats["cached_reads"] == 0 and tier.discarded == []
+    assert declined > 0 and tier.discarded == []
 
 
 @pytest.mark.parametrize("err", [errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS])

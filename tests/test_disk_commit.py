@@ -423,14 +423,16 @@ def test_a_journal_that_stays_full_stops_the_next_write_with_disk_full(tmp_path)
     from tiers.errors import DiskFullError
     tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
     try:
-        tier.inject_fault("journal", errno.ENOSPC, count=3)
+        tier.inject_fault("journal", errno.ENOSPC, count=10**6)
         write(tier, 0, [0, 1], [1, 2])                      # written; its commit fails in the background
-        wait_for(lambda: tier.groups[0].commit_error is not None)
+        wait_for(lambda: tier.groups[0].commit_failed)
         with pytest.raises(DiskFullError):                  # reported to the next write, which adds nothing
             write(tier, 0, [5], [6])
         with pytest.raises(UsageError):
             read(tier, 0, [5])
-        wait_for(lambda: tier.stats["commits"] >= 1, timeout=15)   # the faults run out; a retry succeeds
+        with tier._stats_lock:
+            tier._faults.pop("journal")                     # room again: a retry succeeds
+        wait_for(lambda: tier.stats["commits"] >= 1, timeout=15)
         write(tier, 0, [5], [6])
         tier.flush()
         assert reopen_image(tier.path, tmp_path / "img") == {(0, 0): (1, 1), (0, 1): (2, 2), (0, 5): (6, 6)}
@@ -500,3 +502,118 @@ def test_a_tier_nobody_closed_lets_its_committer_go(tmp_path):
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_failed_durable_relabel_of_a_page_not_yet_journaled_loses_nothing(tmp_path):
+    """The relabel's commit takes the page's queued write too (left out as superseded); when the
+    append fails and the relabel rolls back, that write must still reach the journal."""
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    try:
+        write(tier, 0, [0], [1])                                # deferred
+        tier.inject_fault("journal", errno.EIO, count=3)
+        with pytest.raises(TierIOError):
+            tier.relabel(0, [0], [rec(99, 1, 0)])
+        assert tier.record(0, 0).key == 1
+        with tier._stats_lock:
+            tier._faults.pop("journal", None)
+        tier.flush()
+        assert reopen_image(tier.path, tmp_path / "img") == {(0, 0): (1, 1)}
+    finally:
+        tier.close()
+
+
+def test_a_failed_append_keeps_pending_frees_named_by_the_journal(tmp_path, monkeypatch):
+    """A page freed while its commit's append is under way needs a free record if that append
+    succeeds; if it fails the flag that says so must stay (pending implies journaled)."""
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    g = tier.groups[0]
+    real = DiskTier._append
+    state = {"armed": True}
+
+    def freeing_then_failing(self, group, *records):
+        if state["armed"] and any(len(r) and (r["slot"] == 0).any() for r in records):
+            state["armed"] = False
+            tier.free(0, [0])                                   # from another thread in real life
+            raise OSError(errno.EIO, "simulated append failure")
+        return real(self, group, *records)
+    monkeypatch.setattr(DiskTier, "_append", freeing_then_failing)
+    monkeypatch.setattr(DiskTier, "_commit_soon", lambda self, g: None)    # flush alone commits
+    try:
+        write(tier, 0, [0, 1], [1, 2])
+        with pytest.raises(OSError, match="simulated"):
+            tier.flush()
+        assert g.pending[0] and g.journaled[0]
+        assert not (g.pending & ~g.journaled).any() and not (g.live & g.pending).any()
+        tier.flush()
+        write(tier, 0, [0], [3])
+        tier.flush()
+        assert reopen_image(tier.path, tmp_path / "img") == {(0, 0): (3, 3), (0, 1): (2, 2)}
+    finally:
+        tier.close()
+
+
+def test_a_durable_write_failing_at_its_commit_owes_no_free_record(tmp_path):
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    g = tier.groups[0]
+    try:
+        tier.inject_fault("journal", errno.EIO)
+        with pytest.raises(TierIOError):
+            write(tier, 0, [3, 4], [3, 4], durable=True)
+        assert not g.journaled[[3, 4]].any() and not g.pending[[3, 4]].any() and g.n_pending == 0
+    finally:
+        tier.close()
+
+
+def test_flush_waits_for_an_append_of_frees_under_way(tmp_path, monkeypatch):
+    """A write's step 1 holds the journal lock while it appends the frees it took; a flush that
+    ran meanwhile must not return before they are durable (or raise if they could not be)."""
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    g = tier.groups[0]
+    try:
+        write(tier, 0, [5], [1], durable=True)
+        tier.free(0, [5])                                       # a pending free record
+        inside = threading.Event()
+        real = DiskTier._append
+        calls = []
+
+        def slow_failing(self, group, *records):
+            calls.append(1)
+            if len(calls) == 1:
+                inside.set()
+                time.sleep(0.3)
+                raise OSError(errno.EIO, "simulated append failure")
+            return real(self, group, *records)
+        monkeypatch.setattr(DiskTier, "_append", slow_failing)
+        errors = []
+
+        def writer() -> None:
+            try:
+                write(tier, 0, [5], [2])
+            except OSError as e:
+                errors.append(e)
+        th = threading.Thread(target=writer)
+        th.start()
+        inside.wait(5)
+        tier.flush()                                            # its own commit journals the free
+        th.join()
+        assert len(errors) == 1 and g.n_pending == 0 and not g.pending[5]
+    finally:
+        tier.close()
+
+
+def test_an_idle_commit_reports_a_directory_sync_failure_typed(tmp_path, monkeypatch):
+    from tiers import disk as disk_mod
+    tier = DiskTier.open(str(tmp_path / "d"), FP, GROUPS)
+    try:
+        tier.groups[0].dir_unsynced = True                      # as a compaction whose dir sync failed leaves it
+
+        def failing(path):
+            raise OSError(errno.EIO, "simulated")
+        monkeypatch.setattr(disk_mod, "_fsync_dir", failing)
+        with pytest.raises(TierIOError):
+            tier.flush()
+        monkeypatch.undo()
+        tier.flush()
+        assert not tier.groups[0].dir_unsynced
+    finally:
+        tier.close()

@@ -333,8 +333,8 @@ class _Group:
     ``queued`` holds the records of writes and relabels whose bytes are written
     but not yet journaled (each with whether its bytes are already synced), in
     order; a commit journals those still current (the slot live, the generation
-    its ``meta``'s). ``commit_error``: the last background commit failed (it
-    is retried; the next write tries first and reports it). Lock order:
+    its ``meta``'s). ``commit_failed``: the last background commit failed (it
+    is retried; the next write commits first, and reports a failure). Lock order:
     ``write_lock`` (one write at a time), ``commit_lock`` (one commit at a
     time, from its snapshot of ``queued`` to its frame durable),
     ``journal_lock`` (one append or compaction at a time), ``lock`` (the slot
@@ -344,7 +344,7 @@ class _Group:
     __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
                  "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "meta", "live", "pending", "forgotten",
                  "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "write_lock", "broken", "pad", "direct",
-                 "dir_unsynced", "journaled", "queued", "commit_error", "journal_lock", "commit_lock")
+                 "dir_unsynced", "journaled", "queued", "commit_failed", "journal_lock", "commit_lock")
 
     def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
         self.index = index
@@ -366,7 +366,7 @@ class _Group:
         self.forgotten = np.zeros(0, dtype=bool)
         self.journaled = np.zeros(0, dtype=bool)
         self.queued: list[tuple[np.ndarray, bool]] = []
-        self.commit_error: OSError | None = None
+        self.commit_failed = False
         self.pending_slots: list[np.ndarray] = []
         self.pending_gens: list[np.ndarray] = []
         self.n_pending = 0
@@ -1233,7 +1233,11 @@ class DiskTier:
                     idle = not snap and not g.n_pending
                 if idle:
                     with g.journal_lock:
-                        self._sync_dir(g)
+                        try:
+                            self._sync_dir(g)
+                        except OSError as e:
+                            raise _typed(e, f"syncing {self.path}") from e
+                    g.commit_failed = False
                     return
                 if self.fsync and not all(synced for _, synced in snap):
                     self._sync_segment(g)
@@ -1251,12 +1255,14 @@ class DiskTier:
                             # never journaled after all, unless freed meanwhile (pending implies journaled)
                             back = slots[~before & ~g.pending[slots]]
                             g.journaled[back] = False
-                            g.queued[:0] = [(recs, True)]
+                            # the whole snapshot, synced: a record left out as not current may be
+                            # current again if what superseded it is rolled back (a durable relabel)
+                            g.queued[:0] = [(r, True) for r, _ in snap]
                             g.restore_pending(free_slots, free_gens)
                         raise
                     with g.lock:
                         g.settle_pending(free_slots)
-                        g.commit_error = None
+                        g.commit_failed = False
                         self._add_stats(commits=1)
                         self._maybe_checkpoint(g)
         except OSError:
@@ -1270,7 +1276,7 @@ class DiskTier:
         with c.cv:
             if c.closed:            # close() journals what is queued once writes under way finish
                 return
-            c.due[g.index] = 0.0
+            c.due.setdefault(g.index, 0.0)     # a failing group keeps its retry time
             if c.thread is None:
                 c.thread = threading.Thread(target=_Committer.run, args=(c, weakref.ref(self)),
                                             name="kvtier-disk-commit", daemon=True)
@@ -1279,16 +1285,17 @@ class DiskTier:
 
     def _commit_due(self, due: list[int], retry: dict[int, float]) -> None:
         """The committer's turn: commit each due group; one that fails (and is not broken) is
-        retried later, with a growing delay, and its error goes to the group's next write."""
+        retried later, with a growing delay, and the group's next write commits first."""
         for i in due:
             g = self.groups[i]
             try:
                 self._commit(g)
-                retry.pop(i, None)
+                if retry.pop(i, None) is not None:
+                    log.warning("disk tier: group %d: journaling works again", g.index)
             except Exception as e:      # noqa: BLE001 - the committer must outlive any one failure
-                log.error("disk tier: group %d: journaling written pages failed: %r", g.index, e)
-                if isinstance(e, OSError) and g.broken is None:
-                    g.commit_error = e
+                (log.debug if i in retry else log.error)(
+                    "disk tier: group %d: journaling written pages failed (retrying): %r", g.index, e)
+                g.commit_failed = isinstance(e, OSError) and g.broken is None
                 delay = retry[i] = min(1.0, 2 * retry.get(i, 0.025))
                 with self._committer.cv:
                     self._committer.due[i] = time.monotonic() + delay
@@ -1549,6 +1556,9 @@ class DiskTier:
         # the slot table, so that reads of live pages go on while this batch's data is written
         # and synced: its slots are free, so no read or free touches them meanwhile.
         with g.write_lock:
+            # 0. a background commit failed: it goes through first (or this write reports why)
+            if g.commit_failed:
+                self._commit(g)
             with g.lock:
                 if self._closed:
                     raise StoreClosedError("disk tier is closed")
@@ -1563,10 +1573,6 @@ class DiskTier:
                 sorted_slots = sl[order]
                 self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
                 frees_first = bool(g.pending[sl].any())
-                failed = g.commit_error is not None
-            # 0. a background commit failed: it must go through before more piles up behind it
-            if failed:
-                self._commit(g)
             # 1. frees of the target slots must be durable before their old bytes are overwritten
             if frees_first:
                 self._append_frees(g, sl)
@@ -1838,9 +1844,15 @@ class DiskTier:
             self._commit(g)
             self._usable(g)
         except BaseException:
-            with g.lock:                    # the old records again, where nothing superseded ours
+            with g.lock:
+                # the old records again, where nothing superseded ours: with new generations, queued,
+                # since another commit may have journaled ours before this one failed
                 ours = g.live[sl] & (g.meta["gen"][sl] == out["gen"])
-                journal.put(g.meta, sl[ours], journal.take(old, ours))
+                back = journal.copy(journal.take(old, ours))
+                back["gen"] = _iota(self._take_gens(len(back)), len(back))
+                journal.put(g.meta, sl[ours], back)
+                g.queue(back, bool(g.journaled[sl[ours]].all()))
+            self._commit_soon(g)
             raise
 
     def free(self, group: int, slots: Iterable[int]) -> None:
