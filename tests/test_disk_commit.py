@@ -332,7 +332,7 @@ class SyncLog:
             real_sync(fd)
 
         def replace(src, dst):
-            self.log("replace", dst)
+            self.log("replace", dst, _snapshot_slots(src) if dst in self.seg_of else [])
             real_replace(src, dst)
         monkeypatch.setattr(disk_mod, "pwrite_rows", pwrite_rows)
         monkeypatch.setattr(disk_mod, "pwrite_all", pwrite_all)
@@ -364,11 +364,26 @@ class SyncLog:
                         f"slot {int(r['slot'])}'s record appended before a sync of its bytes (event {i})"
                     n_records += 1
             elif ev[0] == "replace" and ev[1] in self.seg_of:
-                fd = self.seg_of[ev[1]]             # a compaction's snapshot names every live page
-                last = max((j for (f, _), j in written.items() if f == fd), default=-1)
-                assert last < 0 or synced.get(fd, -1) > last, f"a compaction before the segment's sync (event {i})"
+                fd = self.seg_of[ev[1]]             # a compaction: every page its snapshot names
+                for s in ev[2]:
+                    assert synced.get(fd, -1) > written[fd, s], \
+                        f"a compaction names slot {s} before a sync of its bytes (event {i})"
                 n_replaced += 1
         return n_records, n_replaced
+
+
+def _snapshot_slots(path: str) -> list[int]:
+    """The slots a compacted journal (not yet renamed into place) names."""
+    from tiers.journal import FRAME, RECORD, RECORDS_MAGIC
+    with open(path, "rb") as f:
+        data = f.read()
+    slots, off = [], 0
+    while off + FRAME.size <= len(data):
+        magic, length, _ = FRAME.unpack_from(data, off)
+        if magic == RECORDS_MAGIC:
+            slots += np.frombuffer(data, RECORD, length // RECORD.itemsize, off + FRAME.size)["slot"].tolist()
+        off += FRAME.size + length
+    return slots
 
 
 def test_every_record_reaches_the_journal_after_a_sync_of_its_bytes(tmp_path, monkeypatch):
