@@ -1610,17 +1610,22 @@ class DiskTier:
                 g.queue(out, sync)
                 self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
                                 io_seconds=time.perf_counter() - t1)
-            if not durable:
-                self._commit_soon(g)
-                return
-            # 4. durable: commit now (with whatever else is queued)
-            try:
-                self._commit(g)
-                self._usable(g)
-            except BaseException:
-                with g.lock:
-                    self._unlive(g, sl)
-                raise
+            # 4. durable: commit now (with whatever else is queued); else the committer does
+            self._settle(g, durable, lambda: self._unlive(g, sl))
+
+    def _settle(self, g: _Group, durable: bool, undo: Callable[[], None]) -> None:
+        """After a batch is queued: with ``durable``, commit now and, if that fails, ``undo`` the
+        batch (under g.lock) and raise; without, leave it to the committer thread."""
+        if not durable:
+            self._commit_soon(g)
+            return
+        try:
+            self._commit(g)
+            self._usable(g)
+        except BaseException:
+            with g.lock:
+                undo()
+            raise
 
     def _write_piece(self, g: _Group, arr: np.ndarray, src: np.ndarray, order: np.ndarray,
                      sorted_slots: np.ndarray, hashes: np.ndarray, a: int, b: int, sync: bool = False) -> float:
@@ -1837,23 +1842,17 @@ class DiskTier:
             out["csum"] = old["csum"] ^ journal.identity(old, self._fp) ^ journal.identity(out, self._fp)
             journal.put(g.meta, sl, out)
             g.queue(out, bool(g.journaled[sl].all()))    # bytes journaled before are synced
-        if not durable:
+
+        def undo() -> None:
+            # the old records again, where nothing superseded ours: with new generations, queued,
+            # since another commit may have journaled ours before this one failed
+            ours = g.live[sl] & (g.meta["gen"][sl] == out["gen"])
+            back = journal.copy(journal.take(old, ours))
+            back["gen"] = _iota(self._take_gens(len(back)), len(back))
+            journal.put(g.meta, sl[ours], back)
+            g.queue(back, bool(g.journaled[sl[ours]].all()))
             self._commit_soon(g)
-            return
-        try:
-            self._commit(g)
-            self._usable(g)
-        except BaseException:
-            with g.lock:
-                # the old records again, where nothing superseded ours: with new generations, queued,
-                # since another commit may have journaled ours before this one failed
-                ours = g.live[sl] & (g.meta["gen"][sl] == out["gen"])
-                back = journal.copy(journal.take(old, ours))
-                back["gen"] = _iota(self._take_gens(len(back)), len(back))
-                journal.put(g.meta, sl[ours], back)
-                g.queue(back, bool(g.journaled[sl[ours]].all()))
-            self._commit_soon(g)
-            raise
+        self._settle(g, durable, undo)
 
     def free(self, group: int, slots: Iterable[int]) -> None:
         """Forget the pages in ``slots``. Free records are needed only for pages the journal names;
