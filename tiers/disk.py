@@ -408,9 +408,7 @@ class _Group:
         return out
 
     def clear_pending(self) -> None:
-        for part in self.pending_slots:
-            self.pending[part] = False
-            self.journaled[part] = False
+        self.settle_pending(self.pending_slots)
         self.pending_slots, self.pending_gens, self.n_pending = [], [], 0
 
     def take_pending(self) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
@@ -1188,15 +1186,24 @@ class DiskTier:
                 if not g.pending[slots].any():        # a commit under way journaled them
                     return
                 self._usable(g)
-                frees, slots_taken, gens = g.take_pending()
-            try:                    # the slots stay pending, so unwritable, until the frees are durable
-                self._append(g, frees)
-            except BaseException:
-                with g.lock:
-                    g.restore_pending(slots_taken, gens)
-                raise
+            self._append_with_frees(g, np.zeros(0, RECORD))
+
+    def _append_with_frees(self, g: _Group, records: np.ndarray, undo: Callable[[], None] | None = None) -> None:
+        """Append ``records`` and g's pending frees as one frame (the caller holds g.journal_lock).
+        The freed slots stay pending, so unwritable, until the frame is durable; if the append
+        fails their frees are pending again, and ``undo`` (under g.lock) takes ``records`` back."""
+        with g.lock:
+            frees, slots, gens = g.take_pending()
+        try:
+            self._append(g, records, frees)
+        except BaseException:
             with g.lock:
-                g.settle_pending(slots_taken)
+                if undo is not None:
+                    undo()
+                g.restore_pending(slots, gens)
+            raise
+        with g.lock:
+            g.settle_pending(slots)
 
     def _sync_dir(self, g: _Group) -> None:
         """A compaction's rename is not durable until the directory is synced: nothing after it
@@ -1247,21 +1254,15 @@ class DiskTier:
                         slots = recs["slot"].astype(np.int64)
                         before = g.journaled[slots]
                         g.journaled[slots] = True               # before a free can look
-                        frees, free_slots, free_gens = g.take_pending()
-                    try:
-                        self._append(g, recs, frees)
-                    except BaseException:
-                        with g.lock:
-                            # never journaled after all, unless freed meanwhile (pending implies journaled)
-                            back = slots[~before & ~g.pending[slots]]
-                            g.journaled[back] = False
-                            # the whole snapshot, synced: a record left out as not current may be
-                            # current again if what superseded it is rolled back (a durable relabel)
-                            g.queued[:0] = [(r, True) for r, _ in snap]
-                            g.restore_pending(free_slots, free_gens)
-                        raise
+
+                    def undo() -> None:
+                        # never journaled after all, unless freed meanwhile (pending implies journaled)
+                        g.journaled[slots[~before & ~g.pending[slots]]] = False
+                        # the whole snapshot, synced: a record left out as not current may be
+                        # current again if what superseded it is rolled back (a durable relabel)
+                        g.queued[:0] = [(r, True) for r, _ in snap]
+                    self._append_with_frees(g, recs, undo)
                     with g.lock:
-                        g.settle_pending(free_slots)
                         g.commit_failed = False
                         self._add_stats(commits=1)
                         self._maybe_checkpoint(g)
@@ -1704,23 +1705,19 @@ class DiskTier:
                      out: np.ndarray, nowait: bool = False) -> tuple[list[int], list[int], float, float]:
         """Read and verify (``order``: the slots' ascending order); returns (short slots,
         checksum-mismatch slots, io seconds, checksum seconds). ``nowait``: one piece, from the
-        page cache only (``OSError`` EAGAIN where it would wait; see ``read_cached``)."""
+        page cache only (``TierIOError`` with errno EAGAIN where it would wait; see ``read_cached``)."""
         n = len(slots)
         sorted_slots = slots[order]
         short: list[np.ndarray] = []
         bad: list[np.ndarray] = []
         tck = 0.0
         t0 = time.perf_counter()
-        if nowait:
-            self._fault("read")
-            sh, bd, tck = self._read_piece(g, out, order, sorted_slots, 0, n, nowait=True)
-            return (sorted(slots[sh].tolist()), sorted(slots[bd].tolist()), time.perf_counter() - t0, tck)
         try:
             self._fault("read")
-            parallel = self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES
+            parallel = not nowait and (self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES)
             pcs = g.pieces(sorted_slots, split=self.o_direct_reads) if parallel else [(0, n)]
-            for sh, bd, t in self._run_pieces(lambda a, b: self._read_piece(g, out, order, sorted_slots, a, b),
-                                              pcs, parallel):
+            for sh, bd, t in self._run_pieces(lambda a, b: self._read_piece(g, out, order, sorted_slots, a, b,
+                                                                            nowait), pcs, parallel):
                 short.append(slots[sh])
                 bad.append(slots[bd])
                 tck += t
@@ -1771,7 +1768,7 @@ class DiskTier:
                     log.info("disk tier %s: reads without waiting are not supported here (%s); reads go "
                              "to a thread", self.path, e.strerror)
                     return False
-                raise _typed(e, f"reading {len(sl)} page(s) from {g.seg_path}") from e
+                raise
             self._finish_read(g, sl, *got)
             with self._stats_lock:
                 self._stats["cached_reads"] += 1
