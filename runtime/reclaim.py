@@ -5,14 +5,18 @@ large batches off the request path.
 One task per (tier, pool group) with a reserve; it wakes when an allocation
 takes the free count below the low watermark (the reserve) and demotes the
 usual eviction victims (prioritised LRU, cascading) until the free count is
-back at the reserve plus one refill step. The last tier keeps no reserve:
-dropping early would only lose hits.
+back at the reserve plus one refill step. The last tier keeps no reserve
+(dropping early would only lose hits), except the disk: a small one, so that
+spills write over slots whose frees are journaled already (see
+Store._start_reclaimers).
 
 The step is at least the reserve, and for small pages up to REFILL_BYTES:
 each batch costs the loop a fixed ~0.1 ms of bookkeeping and a thread
 hand-off (a spill to disk three fdatasyncs), which a 1 % reserve of 4 KiB
 pages (40 pages, 160 KiB) does not amortise. A free slot holds no page, so
-the step is also capped at STEP_SHARE of the whole store (see Store.start).
+the step is also capped at STEP_SHARE of the whole store (see Store._start_reclaimers).
+Every demotion batch of a group with a reserve, on demand too, takes at least
+one step (Store._pick_victims).
 """
 from __future__ import annotations
 
@@ -29,17 +33,19 @@ log = logging.getLogger("kvtier")
 MAX_BATCH = 512          # the most pages one demotion batch takes: fewer, larger spills (each costs thread hand-offs)
 REFILL_BYTES = 2 << 20      # a refill step is up to this many bytes of pages (at least the reserve) ...
 STEP_SHARE = 0.004          # ... and at most this share of the store's slots per tier, and an eighth of the group
+DISK_SHARE = 0.015          # the disk keeps a reserve (two spill batches) only where that is at most this share of the store
 
 
 class Reclaimer:
-    __slots__ = ("store", "tier", "group", "low", "high", "wake", "task", "busy", "idle")
+    __slots__ = ("store", "tier", "group", "low", "step", "high", "wake", "task", "busy", "idle")
 
     def __init__(self, store: "Store", tier: int, group: int, low: int, step: int) -> None:
         self.store = store
         self.tier = tier
         self.group = group
         self.low = low
-        self.high = low + max(low, step)    # refilled to this (the low watermark plus one step)
+        self.step = max(low, step)          # the fewest pages a demotion batch of this group takes
+        self.high = low + self.step         # refilled to this (the low watermark plus one step)
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.busy = False

@@ -42,7 +42,7 @@ from .loop import short_switch_interval, start_eagerly
 from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import wait_events
-from .reclaim import MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
+from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
 from .recovery import index_recovered, persist
 from .remote import RemoteLink
 from .sequence import Sequence
@@ -206,33 +206,49 @@ class Store:
             self._warn_small_write_through_disk()
         if self.remote is not None:
             await self.remote.open()            # an unreachable server is a tier with its circuit open
-        # A free slot holds no page, so the reserve costs hits in proportion to the whole store:
-        # a tier's reserve is its share of its slots, but of no more than a third of the store's
-        # (spread over its groups by their size).
+        self._start_reclaimers()
+        if self.kv_events is not None:
+            self.kv_events.run()
+        self.started = True
+
+    def _start_reclaimers(self) -> None:
+        """Background demotion (runtime/reclaim.py) for every group with a reserve.
+
+        A free slot holds no page, so the reserve costs hits in proportion to the whole store:
+        a tier's reserve is its share of its slots, but of no more than a third of the store's
+        (spread over its groups by their size). The last tier keeps none (dropping early would
+        only lose hits), unless it is the disk: it keeps two spill batches free (within an
+        eighth of the group) where that is at most DISK_SHARE of the store. Its allocator hands
+        out the slot free longest, so the slots a spill takes had their frees journaled by an
+        earlier commit; on a full disk without it, most spills first appended and synced the
+        frees of the pages they overwrote (DiskTier.write, step 1). A store too small for that
+        share keeps none: the hits it would cost outweigh the syncs."""
         core = self.core
         tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
         total = sum(tier_slots.values())
         third = total / 3
         for t in self.tier_ids:
             cfg = self.cfg.tier_config(TIER_NAMES[t])
-            if t == self.last_tier:
+            last = t == self.last_tier
+            if last and t != DISK:
                 continue
             scale = min(1.0, third / tier_slots[t]) if tier_slots[t] else 1.0
             for g in range(core.n_groups(t)):
                 cap = core.capacity(t, g)
                 low = int(cap * scale * cfg.reserve)
+                if last and low > 0 and len(self.tier_ids) > 1:
+                    low = min(2 * self._line_batch[self.tier_ids[-2]], cap // 8)
+                    if low > DISK_SHARE * total * cap / tier_slots[t]:
+                        low = 0
                 if low > 0:
                     # the refill step: REFILL_BYTES of pages, within STEP_SHARE of the store (spread
                     # over the tier's groups by size) and an eighth of the group
-                    step = min(-(-REFILL_BYTES // self.slabs[t][g].spec.slot_bytes),
-                               int(STEP_SHARE * total * cap / tier_slots[t]), cap // 8)
+                    page = self.slabs[t][g].spec.slot_bytes if t != DISK else self.engine.cold_bytes[g]
+                    step = min(-(-REFILL_BYTES // page), int(STEP_SHARE * total * cap / tier_slots[t]), cap // 8)
                     r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low, step)
                     r.start()
                     if t == GPU:
                         self.gpu_reclaimers.append((self.lcs_per_gpu_group.get(g, 0), r))
-        if self.kv_events is not None:
-            self.kv_events.run()
-        self.started = True
 
     def _build(self) -> None:
         """Allocate slabs and open the disk tier (blocking: run off the loop)."""
@@ -851,8 +867,17 @@ class Store:
     def _pick_victims(self, tier: int, group: int, need: int, extra: int = 0, raise_: bool = True) -> Pages | None:
         """Claim ``need`` victims plus up to ``extra`` more if the queue has
         them; if fewer than ``need`` are evictable, nothing is claimed and
-        OutOfPagesError is raised (None without ``raise_``)."""
+        OutOfPagesError is raised (None without ``raise_``).
+
+        A demotion in a group with a background reserve takes at least one refill step
+        (within the line batch) where the queue has it: each batch costs the loop fixed
+        work and thread hand-offs, and at concurrency 32 demand evictions of a few pages
+        each had made 1.5x the batches of concurrency 1. The pages demoted early live on
+        in the next tier; their slots wait free, as the reserve's do."""
         core = self.core
+        reclaimer = self.reclaimers.get((tier, group))
+        if reclaimer is not None and self.next_tier[tier] is not None:
+            extra = max(extra, min(reclaimer.step, self._line_batch[tier]) - need)
         picked = core.pick_victims(tier, group, need, extra)
         if picked is None:
             if not raise_:

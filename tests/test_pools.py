@@ -57,6 +57,23 @@ def test_ready_slots_come_before_fenced_ones_and_fences_are_kept():
     assert c.allocate(G, 0, 2) == [a[1], a[0]] and c.slot_fences(G, 0, [a[0], a[1]]) == [7]
 
 
+def test_memory_tiers_reuse_the_slot_freed_last_and_the_disk_the_slot_free_longest():
+    """A GPU or host slot just freed is likely still cached: it goes next. A disk slot's free
+    is journaled by the tier's next commit, and a write over a slot whose free is not must
+    journal and sync it first: the slot free longest goes next."""
+    from runtime.core.model import ModelCore
+    gpu, host, disk = 0, 1, 2       # the core's tier numbers
+    for make in (Core, ModelCore):
+        c = make(4, [(False, 0, 0, 0)], [[0], [0], [0]], [[6], [6], [6]])
+        assert c.allocate(disk, 0, 3) == [0, 1, 2]          # fresh: lowest first in both orders
+        for tier in (gpu, host, disk):
+            got = c.allocate(tier, 0, 6 if tier != disk else 3)
+            c.release_slots(tier, 0, [got[1]], 0)
+            c.release_slots(tier, 0, [got[0]], 0)
+        assert c.allocate(gpu, 0, 2) == [0, 1] and c.allocate(host, 0, 2) == [0, 1]
+        assert c.allocate(disk, 0, 2) == [4, 3]             # freed first, then second
+
+
 # -- slab pools ----------------------------------------------------------------------------
 
 def spec(tier=GPU, sizes=(16, 32, 8)):

@@ -67,7 +67,8 @@ class TierConfig:
     quota: int | str | None = None
     slots: int | None = None
     reserve: float = 0.01   # share of each group (of at most a third of the store's slots) kept free by background
-                            # demotion, refilled by one step (runtime/reclaim.py); not in the last tier
+                            # demotion, refilled by one step (runtime/reclaim.py); not in the last tier, except
+                            # the disk, where any reserve > 0 means two spill batches (0: none)
 
     def resolve(self, field: str) -> None:
         if self.quota is None and self.slots is None:

@@ -1,5 +1,12 @@
 // Slot allocation for one (tier, pool group): all-or-nothing, ready slots first.
 //
+// Ready slots go out in one of two orders. A stack (the last freed first)
+// for memory tiers: a slot just freed is likely still in a cache. A queue
+// (the longest free first) for the disk: a disk slot's free is journaled by
+// the tier's next group commit, and a write over a slot whose free is not
+// yet journaled must append and sync that free first; taking the slot that
+// has been free longest makes that rare.
+//
 // A freed slot keeps the fence (event id) of the last copy that touched it;
 // its next owner waits on that event before writing. Event ids are the
 // caller's (Python's event table): 0 means "no fence" (none, or already passed).
@@ -17,10 +24,12 @@ namespace kvtier {
 
 class SlotAllocator {
  public:
-  explicit SlotAllocator(int32_t capacity = 0) : capacity_(capacity), is_free_(capacity, 1), fence_(capacity, 0) {
-    ready_.reserve(capacity);
-    for (int32_t s = capacity - 1; s >= 0; --s) ready_.push_back(s);     // a stack: slot 0 goes first
+  explicit SlotAllocator(int32_t capacity = 0, bool queue = false)
+      : capacity_(capacity), queue_(queue), is_free_(capacity, 1), fence_(capacity, 0) {
+    for (int32_t s = 0; s < capacity; ++s) push_ready_initial(s);    // slot 0 goes first
   }
+
+  bool queue_order() const { return queue_; }
 
   int32_t capacity() const { return capacity_; }
   int32_t free() const { return int32_t(ready_.size() + fenced_.size()); }
@@ -28,14 +37,19 @@ class SlotAllocator {
   bool is_free(int32_t s) const { return is_free_[s] != 0; }
   int32_t fence(int32_t s) const { return fence_[s]; }
 
-  // `n` slots appended to `out` (top of the ready stack first, then the
-  // oldest fenced), or false with nothing taken if fewer are free.
+  // `n` slots appended to `out` (the ready ones first, in the allocator's
+  // order, then the oldest fenced), or false with nothing taken if fewer are free.
   bool allocate(int32_t n, std::vector<int32_t>& out) {
     if (n < 0 || n > free()) return false;
     int32_t k = std::min<int32_t>(n, int32_t(ready_.size()));
     for (int32_t i = 0; i < k; ++i) {
-      out.push_back(ready_.back());
-      ready_.pop_back();
+      if (queue_) {
+        out.push_back(ready_.front());
+        ready_.pop_front();
+      } else {
+        out.push_back(ready_.back());
+        ready_.pop_back();
+      }
     }
     for (int32_t i = k; i < n; ++i) {
       out.push_back(fenced_.front());
@@ -76,23 +90,29 @@ class SlotAllocator {
   void reset_used(const std::vector<uint8_t>& keep) {
     ready_.clear();
     fenced_.clear();
-    for (int32_t s = capacity_ - 1; s >= 0; --s) {
+    for (int32_t s = 0; s < capacity_; ++s) {
       is_free_[s] = keep[s] ? 0 : 1;
       fence_[s] = 0;
-      if (!keep[s]) ready_.push_back(s);
+      if (!keep[s]) push_ready_initial(s);
     }
   }
 
  private:
+  // Building the pool in ascending slot order: the lowest slot ends up next to go.
+  void push_ready_initial(int32_t s) {
+    if (queue_) ready_.push_back(s); else ready_.push_front(s);
+  }
+
   [[noreturn]] void bad(int32_t s, const int32_t* slots, size_t upto) {
     for (size_t j = 0; j < upto; ++j) is_free_[slots[j]] = 0;   // undo the marks: nothing changed
     throw std::invalid_argument("slot " + std::to_string(s) + " released twice or never allocated");
   }
 
   int32_t capacity_;
+  bool queue_;                        // ready_ order: true, a queue (front next); false, a stack (back next)
   // Invariant: every slot is in exactly one of ready_, fenced_ or in use;
   // is_free_[s] == 1 exactly for the first two.
-  std::vector<int32_t> ready_;        // stack (top = back): fence passed or none
+  std::deque<int32_t> ready_;         // fence passed or none; freed slots join at the back
   std::deque<int32_t> fenced_;        // FIFO: fenced by a copy that may still run
   std::vector<uint8_t> is_free_;
   std::vector<int32_t> fence_;        // per slot: the event its next owner waits on (0: none)

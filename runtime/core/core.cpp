@@ -36,7 +36,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
     owners_.emplace_back();
     for (size_t g = 0; g < capacity[t].size(); ++g) {
       require(capacity[t][g] >= 0, "a capacity must not be negative");
-      allocs_[t].emplace_back(capacity[t][g]);
+      allocs_[t].emplace_back(capacity[t][g], t == DISK);    // disk: longest free first (allocator.hpp)
       queues_[t].emplace_back(int8_t(t), uint8_t(g));
       owners_[t].emplace_back(size_t(capacity[t][g]), -1);
       total_slots += size_t(capacity[t][g]);

@@ -204,16 +204,19 @@ class SlotAllocator:
     """One (tier, pool group): all-or-nothing, ready slots first.
 
     A freed slot keeps the fence (event id, 0: none) of the last copy that
-    touched it. ``ready`` is a stack (top first) of slots freed without a
-    fence; ``fenced`` a FIFO of fenced ones, taken only when the ready stack
-    runs out (the core cannot ask an event whether it passed: no refresh).
-    Allocation leaves a slot's fence in place: its new owner waits on it."""
+    touched it. ``ready`` holds the slots freed without a fence, taken from
+    its end (a stack) or, with ``queue`` (the disk), from its start: the slot
+    free longest goes first, so its free is likely journaled already (see
+    allocator.hpp). ``fenced`` is a FIFO of fenced ones, taken only when
+    ``ready`` runs out (the core cannot ask an event whether it passed: no
+    refresh). Allocation leaves a slot's fence in place: its new owner waits on it."""
 
-    __slots__ = ("capacity", "ready", "fenced", "free_mark", "fence")
+    __slots__ = ("capacity", "queue", "ready", "fenced", "free_mark", "fence")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, queue: bool = False) -> None:
         self.capacity = capacity
-        self.ready = list(range(capacity - 1, -1, -1))      # slot 0 on top
+        self.queue = queue
+        self.ready: deque[int] = self._initial(range(capacity))      # slot 0 next
         self.fenced: deque[int] = deque()
         self.free_mark = bytearray(b"\x01" * capacity)
         self.fence = [0] * capacity
@@ -233,7 +236,8 @@ class SlotAllocator:
         if n < 0 or n > self.free:
             return None
         k = min(n, len(self.ready))
-        out = [self.ready.pop() for _ in range(k)]
+        take = self.ready.popleft if self.queue else self.ready.pop
+        out = [take() for _ in range(k)]
         out += [self.fenced.popleft() for _ in range(n - k)]
         for s in out:
             self.free_mark[s] = 0
@@ -259,13 +263,15 @@ class SlotAllocator:
 
     def reset_used(self, keep: bytearray) -> None:
         """Recovery: exactly the slots in ``keep`` are in use; the lowest free slot goes first."""
-        self.ready = []
         self.fenced = deque()
-        for s in range(self.capacity - 1, -1, -1):
+        for s in range(self.capacity):
             self.free_mark[s] = 0 if keep[s] else 1
             self.fence[s] = 0
-            if not keep[s]:
-                self.ready.append(s)
+        self.ready = self._initial(s for s in range(self.capacity) if not keep[s])
+
+    def _initial(self, ascending) -> deque[int]:
+        """The ready pool of these free slots (ascending), the lowest next."""
+        return deque(ascending) if self.queue else deque(sorted(ascending, reverse=True))
 
 
 # -- records -------------------------------------------------------------------------------------
@@ -461,7 +467,7 @@ class ModelCore:
             self.owners.append([])
             for cap in capacity[t]:
                 _require(cap >= 0, "a capacity must not be negative")
-                self.allocs[t].append(SlotAllocator(cap))
+                self.allocs[t].append(SlotAllocator(cap, queue=t == DISK))
                 self.queues[t].append(LruQueue(self.pt))
                 self.owners[t].append([-1] * cap)
             if capacity[t]:
