@@ -339,12 +339,13 @@ class MigrationEngine:
 
     def _read_cached(self, busy: list[float], group: int, slots: Sequence[int], out,
                      deps: Iterable[Event | None]) -> bool:
-        """A small disk read done here on the loop, when every page is in the page cache, the
-        read thread is idle and nothing the read depends on is pending (``DiskTier.read_cached``:
-        it never waits for the device or a lock). A promotion from disk then costs a memcpy, not
-        two hops to the read thread and back, each a wait for the GIL behind a busy loop."""
-        if not self.io_read.idle or any(e is not None and not e.query() for e in deps):
-            return False                # the read thread's queue keeps its order
+        """A small disk read done here on the loop, when every page is in the page cache and
+        nothing the read depends on is pending (``DiskTier.read_cached``: it never waits for the
+        device or a lock), whatever the read thread has queued (reads of other pages: a page is
+        claimed while it moves). A promotion from disk then costs a memcpy, not two hops to the
+        read thread and back, each a wait for the GIL behind a busy loop."""
+        if any(e is not None and not e.query() for e in deps):
+            return False                # the read waits for those in the read thread's queue
         t0 = time.perf_counter()
         try:
             return self.disk.read_cached(group, slots, out)
@@ -380,7 +381,15 @@ class MigrationEngine:
             finally:
                 busy[0] += time.perf_counter() - t0
         t_issue = time.perf_counter()
-        ev = stream.submit(timed if stream.kind != "cuda" else job, inline=inline)   # CUDA: timed issue to completion
+        if stream.kind == "cuda":                               # timed from issue to completion
+            ev = stream.submit(job, inline=inline)
+        else:
+            # inline even past jobs queued on the stream, if nothing it depends on was pending: a
+            # move's ``deps`` name every copy that touched its pages and slots (a slot goes back
+            # to the allocator only after the move that read it landed, with its event as fence).
+            # At concurrency 32 the copy streams were seldom idle, and small promotions went
+            # through the thread: 3x the jobs, each waiting for the GIL behind a busy loop.
+            ev = stream.submit(timed, inline=inline, ordered=bool(pending))
         await wait_event(ev, self.loop)
         if stream.kind == "cuda":
             busy[0] += time.perf_counter() - t_issue

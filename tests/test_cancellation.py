@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from runtime import Store, StoreClosedError, migration
+from runtime import LayerSpec, Store, StoreClosedError, migration
 
 from helpers import DEVICE, config, expected_block, fill, read_block, toks
 
@@ -179,7 +179,9 @@ async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequen
     """release() waits for a cancelled acquire to settle; a close() that ran meanwhile frees the
     sequence's id, and another request may take it before the release resumes. The release
     used to go on with the stale id and unlock that request's pages (found in review)."""
-    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+    # pages too large to read from the page cache on the loop: the promotion waits on the gated thread
+    big = [LayerSpec(0, (("k", 40 << 10), ("v", 40 << 10)))]
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path, layers=big)) as store:
         for base in range(1, 5):
             await fill(store, toks(base, 4))
         await store.drain()
@@ -196,14 +198,17 @@ async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequen
         monkeypatch.setattr(store, "_close_sequence", close_then_reuse)
         gate = threading.Event()
         store.engine.io_read.submit(gate.wait)          # the promotion from disk waits
-        acquiring = asyncio.ensure_future(seq.acquire())
-        await asyncio.sleep(0.05)
-        acquiring.cancel()
-        await asyncio.gather(acquiring, return_exceptions=True)
-        closing = asyncio.ensure_future(seq.close())
-        releasing = asyncio.ensure_future(seq.release())
-        await asyncio.sleep(0.05)
-        gate.set()
+        try:
+            acquiring = asyncio.ensure_future(seq.acquire())
+            await asyncio.sleep(0.05)
+            assert not acquiring.done()
+            acquiring.cancel()
+            await asyncio.gather(acquiring, return_exceptions=True)
+            closing = asyncio.ensure_future(seq.close())
+            releasing = asyncio.ensure_future(seq.release())
+            await asyncio.sleep(0.05)
+        finally:
+            gate.set()
         await asyncio.wait_for(asyncio.gather(closing, releasing), 10)
         other, = others
         assert other.sid == seq.sid and seq.closed          # the id was reused

@@ -4,6 +4,7 @@ only tried). Whatever it declines, ``read`` does on a thread; whatever it does, 
 ``read`` does."""
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import threading
@@ -175,3 +176,28 @@ async def test_store_promotions_from_disk_read_on_the_loop_and_exact(tmp_path):
             await seq.release()
             await seq.close()
         assert store.disk.stats["cached_reads"] > before
+
+
+async def test_a_promotion_reads_from_the_page_cache_while_the_read_thread_is_busy(tmp_path):
+    """The read thread's queue holds reads of other pages (a page is claimed while it moves):
+    a cached read of pages that depend on nothing pending goes ahead on the loop."""
+    cfg = config(gpu=8, host=8, disk=256, disk_dir=str(tmp_path))
+    async with Store.open(cfg) as store:
+        for base in range(12):
+            await fill(store, toks(base, 4))
+        gate = threading.Event()
+        busy = store.engine.io_read.submit(gate.wait)      # another job holds the read thread
+        try:
+            before = store.disk.stats["cached_reads"]
+            seq = await store.open_sequence(tokens=toks(0, 4))
+            assert seq.matched_by_tier["disk"] > 0
+            await asyncio.wait_for(seq.acquire(), 5)
+            assert not busy.query() and store.disk.stats["cached_reads"] > before
+            for i in range(seq.matched_blocks):
+                assert torch.equal(read_block(store, seq, 0, i), expected_block(store, seq, 0, i))
+            await seq.release()
+            await seq.close()
+        finally:
+            gate.set()
+        busy.synchronize(5)
+        store.check_consistency()

@@ -33,6 +33,29 @@ async def _push_to_host(store, tokens):
     await seq.close()
 
 
+async def test_a_small_promotion_passes_a_busy_copy_stream_and_reads_back_exact():
+    """A small promotion whose pages depend on nothing queued runs on the loop even while the
+    copy stream's thread is busy with other work (at concurrency 32 the streams were seldom
+    idle, and each such promotion hopped to the thread); the bytes arrive exact."""
+    async with Store.open(config(gpu=4, host=16)) as store:
+        await _push_to_host(store, toks(1, 4))
+        gate = threading.Event()
+        busy = store.engine.up.submit(gate.wait)            # another job holds the copy thread
+        try:
+            seq = await asyncio.wait_for(store.open_sequence(tokens=toks(1, 4)), 5)
+            await asyncio.wait_for(seq.acquire(), 5)        # done while the thread is still held
+            assert not busy.query()
+            assert store.stats()["moves"]["host->gpu"]["pages"] == 4
+            for b in range(4):
+                assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+            await seq.release()
+            await seq.close()
+        finally:
+            gate.set()
+        busy.synchronize(5)
+        store.check_consistency()
+
+
 async def test_concurrent_acquires_share_one_move():
     async with Store.open(config(gpu=4, host=16)) as store:
         await _push_to_host(store, toks(1, 4))
@@ -99,18 +122,22 @@ async def test_failed_move_keeps_the_source_and_reaches_every_waiter():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="gates the emulated copy stream's worker thread")
 async def test_cancelled_acquire_leaks_nothing():
-    async with Store.open(config(gpu=4, host=16)) as store:
+    # pages too large to copy on the loop: the promotion waits on the gated copy thread
+    big = [LayerSpec(0, (("k", 40 << 10), ("v", 40 << 10)))]
+    async with Store.open(config(gpu=4, host=16, layers=big)) as store:
         await _push_to_host(store, toks(1, 4))
         gate = threading.Event()
         store.engine.up.submit(gate.wait)                    # the copy stream is busy
-        seq = await store.open_sequence(tokens=toks(1, 4))
-        task = asyncio.ensure_future(seq.acquire())
-        await asyncio.sleep(0.05)
-        assert not task.done()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        gate.set()
+        try:
+            seq = await store.open_sequence(tokens=toks(1, 4))
+            task = asyncio.ensure_future(seq.acquire())
+            await asyncio.sleep(0.05)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()
         await asyncio.gather(*store._tasks)
         await asyncio.sleep(0)
         await store.drain()

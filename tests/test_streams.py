@@ -420,6 +420,34 @@ def test_a_failed_wait_fails_the_job_behind_it_instead_of_running_it():
         s.close()
 
 
+def test_an_unordered_inline_job_runs_on_the_caller_past_queued_work():
+    """``ordered=False``: for a caller whose job depends on nothing queued. It runs here at once,
+    its errors go to its event, and a failed wait queued before stays for the queued job after."""
+    from tiers.streams import HostEvent, HostStream
+    s = HostStream("t")
+    try:
+        gate = threading.Event()
+        first = s.submit(gate.wait)                                       # busy now
+        where = []
+        ev = s.submit(lambda: where.append(threading.get_ident()), inline=True, ordered=False)
+        assert ev.query() and ev.error is None and where == [threading.get_ident()] and not first.query()
+        bad = s.submit(lambda: 1 / 0, inline=True, ordered=False)
+        assert bad.query() and isinstance(bad.error, ZeroDivisionError)
+
+        class Broken(HostEvent):
+            def synchronize(self, timeout=None):
+                raise RuntimeError("the device reported an error")
+        s.wait_event(Broken())                                            # queued behind the busy job
+        queued = s.submit(lambda: where.append("queued"))
+        passing = s.submit(lambda: where.append("past"), inline=True, ordered=False)
+        assert passing.query() and passing.error is None and where[-1] == "past"
+        gate.set()
+        queued.synchronize(5)
+        assert isinstance(queued.error, RuntimeError) and "queued" not in where    # the failed wait's
+    finally:
+        s.close()
+
+
 def test_an_inline_job_runs_on_the_caller_only_when_the_stream_is_idle():
     from tiers.streams import HostEvent, HostStream
     s = HostStream("t")

@@ -147,6 +147,10 @@ class HostStream:
     and under a busy event loop the worker also waits for the GIL. That
     makes an idle emulated copy stream behave like a CUDA one: the work is
     issued on the caller's thread, and the event is already done.
+    ``ordered=False`` runs it inline even past queued work: for a caller
+    whose job depends on nothing queued (the migration engine's copies
+    name what they depend on as events, and go inline only when those
+    have passed).
 
     One thread submits (the event loop's): ``submit`` and ``wait_event``
     count what they queue without a lock."""
@@ -199,15 +203,29 @@ class HostStream:
             if ev is not None:
                 ev.set()
 
-    def submit(self, fn: Callable[[], None], event: bool = True, inline: bool = False) -> HostEvent | None:
+    def submit(self, fn: Callable[[], None], event: bool = True, inline: bool = False,
+               ordered: bool = True) -> HostEvent | None:
         """Queue ``fn`` (or with ``inline``, run it now if the stream is
-        idle); its completion event, or None with ``event=False`` for
-        fire-and-forget work (an error then only logs)."""
+        idle, or with ``ordered=False`` too, whatever is queued); its
+        completion event, or None with ``event=False`` for fire-and-forget
+        work (an error then only logs)."""
         if self._closed:
             raise RuntimeError(f"stream {self.name} is closed")
         ev = HostEvent() if event else None
         if inline and self.idle:
             self._execute(fn, ev)
+            return ev
+        if inline and not ordered:      # past queued work: a failed wait there is not this job's
+            try:
+                fn()
+            except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
+                if ev is None:
+                    _log.warning("%s: inline job failed: %r", self.name, exc)
+                    return None
+                ev.set(exc)
+            else:
+                if ev is not None:
+                    ev.set()
             return ev
         self._queued += 1
         self._queue.put((fn, ev))
