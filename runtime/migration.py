@@ -31,7 +31,7 @@ from tiers.staging import StagingPool
 from tiers.streams import Event, HostStream
 
 from .pages import GPU, HOST, TIER_NAMES
-from .readiness import wait_event, wait_events
+from .readiness import outlast, wait_event, wait_events
 from .stats import MoveStats
 
 
@@ -390,7 +390,13 @@ class MigrationEngine:
             # At concurrency 32 the copy streams were seldom idle, and small promotions went
             # through the thread: 3x the jobs, each waiting for the GIL behind a busy loop.
             ev = stream.submit(timed, inline=inline, ordered=bool(pending))
-        await wait_event(ev, self.loop)
+        try:
+            await wait_event(ev, self.loop)
+        except asyncio.CancelledError:
+            # the job may still run: the move's cleanup hands its slots back, and another copy
+            # (inline, past this one) may take them, so let it end first (found in review)
+            await outlast(ev, self.loop)
+            raise
         if stream.kind == "cuda":
             busy[0] += time.perf_counter() - t_issue
         return ev

@@ -46,6 +46,23 @@ async def wait_event(ev: Event | None, loop: asyncio.AbstractEventLoop | None = 
     await event_future(ev, loop)
 
 
+async def outlast(ev: Event, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Wait until ``ev`` is done, whatever it ended with, through cancellations: for a caller
+    cancelled while a job it queued may still write memory that its cleanup hands on."""
+    if ev.query():
+        return
+    fut = event_future(ev, loop)
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            continue
+        except Exception:       # noqa: BLE001 - the job failed: it is done all the same
+            return
+    if not fut.cancelled():
+        fut.exception()         # retrieved: a failed job is the caller's to report, not the loop's
+
+
 async def wait_events(events: Iterable[Event | None]) -> None:
     pending = {id(e): e for e in events if e is not None}
     for ev in pending.values():

@@ -33,7 +33,7 @@ log = logging.getLogger("kvtier")
 MAX_BATCH = 512          # the most pages one demotion batch takes: fewer, larger spills (each costs thread hand-offs)
 REFILL_BYTES = 2 << 20      # a refill step is up to this many bytes of pages (at least the reserve) ...
 STEP_SHARE = 0.004          # ... and at most this share of the store's slots per tier, and an eighth of the group
-DISK_SHARE = 0.015          # the disk keeps a reserve (two spill batches) only where that is at most this share of the store
+DISK_SHARE = 0.03           # the disk keeps a reserve (two spill batches, refilled by a step) only within this share of it
 
 
 class Reclaimer:
@@ -44,8 +44,8 @@ class Reclaimer:
         self.tier = tier
         self.group = group
         self.low = low
-        self.step = max(low, step)          # the fewest pages a demotion batch of this group takes
-        self.high = low + self.step         # refilled to this (the low watermark plus one step)
+        self.step = step                    # the fewest pages a demotion batch of this group takes
+        self.high = low + step              # refilled to this (the low watermark plus one step)
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.busy = False
@@ -54,6 +54,12 @@ class Reclaimer:
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped: a store that is closing keeps no reserve (persisting at close
+        would otherwise drop disk pages to refill one)."""
+        return self.task is not None
 
     async def stop(self) -> None:
         if self.task is not None:

@@ -217,12 +217,13 @@ class Store:
         A free slot holds no page, so the reserve costs hits in proportion to the whole store:
         a tier's reserve is its share of its slots, but of no more than a third of the store's
         (spread over its groups by their size). The last tier keeps none (dropping early would
-        only lose hits), unless it is the disk: it keeps two spill batches free (within an
-        eighth of the group) where that is at most DISK_SHARE of the store. Its allocator hands
-        out the slot free longest, so the slots a spill takes had their frees journaled by an
-        earlier commit; on a full disk without it, most spills first appended and synced the
-        frees of the pages they overwrote (DiskTier.write, step 1). A store too small for that
-        share keeps none: the hits it would cost outweigh the syncs."""
+        only lose hits), unless it is the disk: it keeps two spill batches free, refilled by
+        one step, where that is at most DISK_SHARE of the disk. Its allocator hands out the
+        slot free longest, so the slots a spill takes had their frees journaled by an earlier
+        commit; on a full disk without it, most spills first appended and synced the frees of
+        the pages they overwrote (DiskTier.write, step 1). A disk too small for that share
+        keeps none: the hits it would cost outweigh the syncs. Elsewhere the step is at least
+        the reserve."""
         core = self.core
         tier_slots = {t: sum(core.capacity(t, g) for g in range(core.n_groups(t))) for t in self.tier_ids}
         total = sum(tier_slots.values())
@@ -235,16 +236,21 @@ class Store:
             scale = min(1.0, third / tier_slots[t]) if tier_slots[t] else 1.0
             for g in range(core.n_groups(t)):
                 cap = core.capacity(t, g)
-                low = int(cap * scale * cfg.reserve)
-                if last and low > 0 and len(self.tier_ids) > 1:
+                if not last:
+                    low = int(cap * scale * cfg.reserve)
+                elif cfg.reserve > 0 and len(self.tier_ids) > 1:    # two spill batches
                     low = min(2 * self._line_batch[self.tier_ids[-2]], cap // 8)
-                    if low > DISK_SHARE * total * cap / tier_slots[t]:
-                        low = 0
-                if low > 0:
-                    # the refill step: REFILL_BYTES of pages, within STEP_SHARE of the store (spread
-                    # over the tier's groups by size) and an eighth of the group
-                    page = self.slabs[t][g].spec.slot_bytes if t != DISK else self.engine.cold_bytes[g]
-                    step = min(-(-REFILL_BYTES // page), int(STEP_SHARE * total * cap / tier_slots[t]), cap // 8)
+                else:
+                    continue
+                # the refill step: REFILL_BYTES of pages, within STEP_SHARE of the store (spread
+                # over the tier's groups by size) and an eighth of the group
+                page = self.slabs[t][g].spec.slot_bytes if t != DISK else self.engine.cold_bytes[g]
+                step = min(-(-REFILL_BYTES // page), int(STEP_SHARE * total * cap / tier_slots[t]), cap // 8)
+                if not last:
+                    step = max(low, step)
+                elif low + step > DISK_SHARE * cap:
+                    continue
+                if low > 0 and step > 0:
                     r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low, step)
                     r.start()
                     if t == GPU:
@@ -820,7 +826,7 @@ class Store:
                     # room for would skip that tier whole, dropping newer pages where a smaller
                     # batch would have pushed out the next tier's oldest
                     behind = sum(w.need for w in line) - n
-                    extra = min(max(0, behind + (reclaimer.high if reclaimer is not None else 0)
+                    extra = min(max(0, behind + (reclaimer.high if reclaimer is not None and reclaimer.running else 0)
                                     - self.refilling.get(key, 0)), self._line_batch[tier])
                     # pages the background demotion or a write-through copy has claimed are not
                     # evictable, but they are again when it finishes: wait for that rather than fail
@@ -876,7 +882,7 @@ class Store:
         in the next tier; their slots wait free, as the reserve's do."""
         core = self.core
         reclaimer = self.reclaimers.get((tier, group))
-        if reclaimer is not None and self.next_tier[tier] is not None:
+        if reclaimer is not None and reclaimer.running and self.next_tier[tier] is not None:
             extra = max(extra, min(reclaimer.step, self._line_batch[tier]) - need)
         picked = core.pick_victims(tier, group, need, extra)
         if picked is None:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from runtime import LayerSpec, Store, StoreClosedError, migration
+from runtime import LayerSpec, OutOfPagesError, Store, StoreClosedError, migration
 
 from helpers import DEVICE, config, expected_block, fill, read_block, toks
 
@@ -298,4 +298,43 @@ async def test_an_acquire_promoting_from_host_memory_needs_no_task():
             assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
         await seq.release()
         await seq.close()
+        store.check_consistency()
+
+
+async def test_a_move_cancelled_while_its_copy_is_queued_hands_its_slots_on_only_after_the_copy():
+    """A move cancelled while its copy job is still queued used to give its destination slots
+    back at once; another promotion, copied inline past the queued job, could take one, and the
+    stale copy then overwrote it (found in review). The cancelled move now waits for its job."""
+    big = [LayerSpec(0, (("k", 40 << 10), ("v", 40 << 10)))]    # four pages too large to copy inline, one not
+    async with Store.open(config(gpu=4, host=16, layers=big, tpb=4)) as store:
+        await fill(store, toks(1, 4))
+        await fill(store, toks(2, 1))
+        for base in range(3, 8):                            # push both down to the host
+            await fill(store, toks(base, 1))
+        await store.drain()
+        a = await store.open_sequence(tokens=toks(1, 4))
+        b = await store.open_sequence(tokens=toks(2, 1))
+        assert a.matched_by_tier["host"] == 4 and b.matched_by_tier["host"] == 1
+        gate = threading.Event()
+        store.engine.up.submit(gate.wait)                   # the copy thread is held
+        try:
+            moving = asyncio.ensure_future(store._acquire(a))     # its copy queues behind the gate
+            await asyncio.sleep(0.05)
+            moving.cancel()
+            acquiring = asyncio.ensure_future(b.acquire())
+            await asyncio.sleep(0.05)
+        finally:
+            gate.set()
+        # the GPU's four slots are the cancelled move's until its copy ends: none was handed on
+        with pytest.raises(OutOfPagesError):
+            await asyncio.wait_for(acquiring, 10)
+        await asyncio.wait_for(asyncio.gather(moving, return_exceptions=True), 10)
+        assert moving.cancelled()
+        await b.acquire()
+        await asyncio.sleep(0.05)
+        assert torch.equal(read_block(store, b, 0, 0), expected_block(store, b, 0, 0))
+        await b.release()
+        await b.close()
+        await a.close()
+        await store.drain()
         store.check_consistency()

@@ -56,6 +56,61 @@ async def test_a_small_promotion_passes_a_busy_copy_stream_and_reads_back_exact(
         store.check_consistency()
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the emulated copy streams' inline jobs")
+async def test_a_copy_with_a_pending_dependency_never_runs_inline_past_queued_work():
+    """Inline past queued work only when nothing a job depends on is pending: with a pending
+    dependency the job queues behind the wait for it, on the worker, and cached disk reads
+    decline."""
+    async with Store.open(config(gpu=4, host=16)) as store:
+        engine = store.engine
+        gate = threading.Event()
+        engine.up.submit(gate.wait)                         # the stream is busy
+        dep = HostEvent()                                   # a copy that has not finished
+        ran = []
+        job = asyncio.ensure_future(engine._stage([0.0], engine.up, lambda: ran.append(threading.get_ident()),
+                                                  [dep], inline=True))
+        await asyncio.sleep(0.05)
+        assert not ran and not job.done()
+        free = asyncio.ensure_future(engine._stage([0.0], engine.up, lambda: ran.append("free"), [], inline=True))
+        await asyncio.sleep(0)
+        assert ran == ["free"]                              # nothing pending: inline, past the queue
+        gate.set()
+        dep.set()
+        await asyncio.wait_for(asyncio.gather(job, free), 5)
+        assert ran[1] != threading.get_ident()              # ran on the worker, after its dependency
+
+        class NoDisk:
+            def read_cached(self, *a):
+                raise AssertionError("read with a dependency pending")
+        disk, engine.disk = engine.disk, NoDisk()
+        try:
+            assert engine._read_cached([0.0], 0, [0], None, [HostEvent()]) is False
+        finally:
+            engine.disk = disk
+
+
+async def test_a_demotion_takes_at_least_a_refill_step():
+    """At concurrency 32 demand evictions of a few pages each made 1.5x the batches of
+    concurrency 1: a demotion from a group with a reserve takes at least one refill step (the
+    last tier, which drops, takes only what it needs)."""
+    cfg = config(gpu=64, host=512, tpb=1)
+    cfg.gpu.reserve = 0.125                                 # keep 8 free, refill by a step of 8
+    async with Store.open(cfg) as store:
+        for i in range(8):
+            seq = await store.open_sequence(block_keys=list(range(i * 100, i * 100 + 8)))
+            await seq.extend(8)
+            seq.commit(8)
+            await seq.close()
+        await store.drain()
+        r = store.reclaimers[(GPU, 0)]
+        assert r.step == 8 and store.core.queue_len(GPU, 0) > 8
+        victims = store._pick_victims(GPU, 0, 1)
+        assert len(victims) == 8
+        store._unclaim(victims, None)
+        assert (HOST, 0) not in store.reclaimers                 # the last tier: no floor
+        store.check_consistency()
+
+
 async def test_concurrent_acquires_share_one_move():
     async with Store.open(config(gpu=4, host=16)) as store:
         await _push_to_host(store, toks(1, 4))
@@ -550,14 +605,14 @@ async def test_the_reserve_is_capped_by_the_whole_store_across_groups(tmp_path):
             assert len(gpu) == groups and len(host) == groups
             assert gpu == [34] * groups             # 1 % of 10000 * (10200 / 3) / 10000, per group
             assert host == [1] * groups             # the host is under a third: 1 % of its own 100
-            assert disk == [12] * groups            # two spill batches of 25 (a quarter of the disk), capped at 100 / 8
+            assert disk == []                       # two spill batches and a step are far over 3 % of 100 slots
 
 
 async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(tmp_path):
     """The disk hands out the slot free longest, and keeps two spill batches free (a background
     drop), so that a spill writes over slots whose frees an earlier commit journaled instead of
-    appending and syncing them first. A store where that is over 1.5 % of its slots keeps none,
-    as does a disk reserve of 0."""
+    appending and syncing them first. A disk where that and a refill step are over 3 % of it
+    keeps none, as does a disk reserve of 0."""
     page = [LayerSpec(0, (("k", 2048), ("v", 2048)))]
     overwrites: dict[float, tuple[int, int]] = {}
     for i, (sizes, reserve, low) in enumerate([((4096, 16384, 65536), 0.01, 1024), ((4096, 16384, 65536), 0.0, None),
@@ -573,7 +628,7 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
             if d != 65536:
                 continue
             if r is not None:
-                assert r.high == 2 * low            # refilled by a step of at least the reserve
+                assert r.high == low + 344 <= 0.03 * d     # refilled by one step (0.4 % of the store)
             # fill the disk and more, 256 pages a request: a spill writes over slots freed earlier
             appends = []
             append_frees = store.disk._append_frees
@@ -592,6 +647,25 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
     (with_reserve, spills), (without, spills0) = overwrites[0.01], overwrites[0.0]
     assert with_reserve <= spills // 20, (with_reserve, spills)     # 2 of 169 spills measured
     assert without >= spills0 // 8, (without, spills0)      # 42 of 169: the allocator's order alone is not enough
+
+
+async def test_persisting_at_close_drops_no_disk_page_to_refill_the_disk_reserve(tmp_path):
+    """A closing store keeps no reserve: persisting its GPU and host pages to a full disk
+    drops only the disk pages they need room for (it dropped 187 more to refill the disk's
+    reserve, found in review)."""
+    tiny = [LayerSpec(0, (("k", 32), ("v", 32)))]
+    g, h, d = 4096, 16384, 65536
+    cfg = config(gpu=g, host=h, disk=d, disk_dir=tmp_path, tpb=1, layers=tiny, persist_on_close=True)
+    async with Store.open(cfg) as store:
+        assert store.reclaimers[(DISK, 0)].low == 1024
+        for a in range(0, g + h + d + 8192, 2048):
+            seq = await store.open_sequence(block_keys=list(range(a, a + 2048)))
+            await seq.extend(2048)
+            seq.commit(2048)
+            await seq.close()
+        await store.drain()
+    async with Store.open(cfg) as store:
+        assert store.stats()["recovered_pages"] == d       # every disk slot holds a page
 
 
 @pytest.mark.parametrize("page, gpu_high, host_high", [(4096, 40 + 344, 163 + 344), (16384, 40 + 128, 163 + 163)])

@@ -74,6 +74,29 @@ def test_memory_tiers_reuse_the_slot_freed_last_and_the_disk_the_slot_free_longe
         assert c.allocate(disk, 0, 2) == [4, 3]             # freed first, then second
 
 
+def test_a_disk_segment_stays_within_the_live_pages_plus_the_queue_window_under_churn():
+    """The disk's queue is topped up from the never-used slots (lowest first) only to its
+    window of 1024: under churn the pages stay in low slots, and the segment (preallocated
+    to the highest slot written, never shrunk) does not walk the whole quota (it did, found in
+    review: 29 MB against 4). A freed slot still waits behind the window before its reuse."""
+    from runtime.core.model import QUEUE_WINDOW, ModelCore
+    disk = 2
+    for make in (Core, ModelCore):
+        c = make(4, [(False, 0, 0, 0)], [[0], [0], [0]], [[4], [4], [1 << 16]])
+        live = c.allocate(disk, 0, 8)
+        assert live == list(range(8))
+        first_reuse = None
+        for i in range(20_000):                             # free the oldest, take one
+            freed = live.pop(0)
+            c.release_slots(disk, 0, [freed], 0)
+            got, = c.allocate(disk, 0, 1)
+            live.append(got)
+            if first_reuse is None and got < 8:
+                first_reuse = i
+        assert max(live) < 8 + QUEUE_WINDOW, max(live)
+        assert first_reuse >= QUEUE_WINDOW - 8, first_reuse
+
+
 # -- slab pools ----------------------------------------------------------------------------
 
 def spec(tier=GPU, sizes=(16, 32, 8)):

@@ -68,7 +68,8 @@ class TierConfig:
     slots: int | None = None
     reserve: float = 0.01   # share of each group (of at most a third of the store's slots) kept free by background
                             # demotion, refilled by one step (runtime/reclaim.py); not in the last tier, except
-                            # the disk, where any reserve > 0 means two spill batches (0: none)
+                            # the disk, where a reserve > 0 means two spill batches if that and a step fit in 3 %
+                            # of it (0: none)
 
     def resolve(self, field: str) -> None:
         if self.quota is None and self.slots is None:

@@ -1,17 +1,21 @@
 // Slot allocation for one (tier, pool group): all-or-nothing, ready slots first.
 //
-// Ready slots go out in one of two orders. A stack (the last freed first)
-// for memory tiers: a slot just freed is likely still in a cache. A queue
-// (the longest free first) for the disk: a disk slot's free is journaled by
+// Memory tiers: a stack, the last freed first (a slot just freed is likely
+// still in a cache), then the slots never handed out, lowest first. The
+// disk: a queue, the longest free first. A disk slot's free is journaled by
 // the tier's next group commit, and a write over a slot whose free is not
-// yet journaled must append and sync that free first; taking the slot that
-// has been free longest makes that rare.
+// yet journaled must append and sync that free first; taking the slot free
+// longest makes that rare. The queue holds kQueueWindow slots while
+// never-used ones remain (topped up lowest first), so a freed slot waits
+// behind that many others, and the segment, which grows to the highest slot
+// written and never shrinks, stays within the live pages plus the window.
 //
 // A freed slot keeps the fence (event id) of the last copy that touched it;
 // its next owner waits on that event before writing. Event ids are the
 // caller's (Python's event table): 0 means "no fence" (none, or already passed).
 #pragma once
 
+#include <algorithm>
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
@@ -24,38 +28,42 @@ namespace kvtier {
 
 class SlotAllocator {
  public:
+  static constexpr size_t kQueueWindow = 1024;     // two 512-page spill batches
+
   explicit SlotAllocator(int32_t capacity = 0, bool queue = false)
       : capacity_(capacity), queue_(queue), is_free_(capacity, 1), fence_(capacity, 0) {
-    for (int32_t s = 0; s < capacity; ++s) push_ready_initial(s);    // slot 0 goes first
+    fresh_.reserve(capacity);
+    for (int32_t s = capacity - 1; s >= 0; --s) fresh_.push_back(s);     // slot 0 goes first
+    top_up();
   }
 
   bool queue_order() const { return queue_; }
 
   int32_t capacity() const { return capacity_; }
-  int32_t free() const { return int32_t(ready_.size() + fenced_.size()); }
+  int32_t free() const { return int32_t(ready_.size() + fresh_.size() + fenced_.size()); }
   int32_t used() const { return capacity_ - free(); }
   bool is_free(int32_t s) const { return is_free_[s] != 0; }
   int32_t fence(int32_t s) const { return fence_[s]; }
 
-  // `n` slots appended to `out` (the ready ones first, in the allocator's
-  // order, then the oldest fenced), or false with nothing taken if fewer are free.
+  // `n` slots appended to `out` (ready ones in the allocator's order, then
+  // never-used ones lowest first, then the oldest fenced), or false with
+  // nothing taken if fewer are free.
   bool allocate(int32_t n, std::vector<int32_t>& out) {
     if (n < 0 || n > free()) return false;
-    int32_t k = std::min<int32_t>(n, int32_t(ready_.size()));
-    for (int32_t i = 0; i < k; ++i) {
-      if (queue_) {
-        out.push_back(ready_.front());
-        ready_.pop_front();
+    for (int32_t i = 0; i < n; ++i) {
+      top_up();
+      if (!ready_.empty()) {
+        out.push_back(queue_ ? ready_.front() : ready_.back());
+        if (queue_) ready_.pop_front(); else ready_.pop_back();
+      } else if (!fresh_.empty()) {
+        out.push_back(fresh_.back());
+        fresh_.pop_back();
       } else {
-        out.push_back(ready_.back());
-        ready_.pop_back();
+        out.push_back(fenced_.front());
+        fenced_.pop_front();
       }
+      is_free_[out.back()] = 0;
     }
-    for (int32_t i = k; i < n; ++i) {
-      out.push_back(fenced_.front());
-      fenced_.pop_front();
-    }
-    for (size_t i = out.size() - n; i < out.size(); ++i) is_free_[out[i]] = 0;
     return true;
   }
 
@@ -90,17 +98,22 @@ class SlotAllocator {
   void reset_used(const std::vector<uint8_t>& keep) {
     ready_.clear();
     fenced_.clear();
-    for (int32_t s = 0; s < capacity_; ++s) {
+    fresh_.clear();
+    for (int32_t s = capacity_ - 1; s >= 0; --s) {
       is_free_[s] = keep[s] ? 0 : 1;
       fence_[s] = 0;
-      if (!keep[s]) push_ready_initial(s);
+      if (!keep[s]) fresh_.push_back(s);
     }
+    top_up();
   }
 
  private:
-  // Building the pool in ascending slot order: the lowest slot ends up next to go.
-  void push_ready_initial(int32_t s) {
-    if (queue_) ready_.push_back(s); else ready_.push_front(s);
+  // The queue: at least kQueueWindow ready while never-used slots remain.
+  void top_up() {
+    while (queue_ && ready_.size() < kQueueWindow && !fresh_.empty()) {
+      ready_.push_back(fresh_.back());
+      fresh_.pop_back();
+    }
   }
 
   [[noreturn]] void bad(int32_t s, const int32_t* slots, size_t upto) {
@@ -110,9 +123,10 @@ class SlotAllocator {
 
   int32_t capacity_;
   bool queue_;                        // ready_ order: true, a queue (front next); false, a stack (back next)
-  // Invariant: every slot is in exactly one of ready_, fenced_ or in use;
-  // is_free_[s] == 1 exactly for the first two.
+  // Invariant: every slot is in exactly one of ready_, fresh_, fenced_ or in
+  // use; is_free_[s] == 1 exactly for the first three.
   std::deque<int32_t> ready_;         // fence passed or none; freed slots join at the back
+  std::vector<int32_t> fresh_;        // never handed out (nor queued) since built or recovered: descending
   std::deque<int32_t> fenced_;        // FIFO: fenced by a copy that may still run
   std::vector<uint8_t> is_free_;
   std::vector<int32_t> fence_;        // per slot: the event its next owner waits on (0: none)

@@ -52,6 +52,7 @@ from tiers.layers import LifeCycle as _LayerLifeCycle
 from tiers.policy import ReusePolicy
 
 GPU, HOST, DISK = 0, 1, 2
+QUEUE_WINDOW = 1024      # the disk allocator's queue while never-used slots remain (allocator.hpp)
 TIERS = 3
 PRIORITIES = 101                      # 0..100
 REQUIRED, SINK_REQUIRED_ONLY, OPTIONAL, PRIVATE = 0, 1, 2, 3
@@ -206,24 +207,34 @@ class SlotAllocator:
     A freed slot keeps the fence (event id, 0: none) of the last copy that
     touched it. ``ready`` holds the slots freed without a fence, taken from
     its end (a stack) or, with ``queue`` (the disk), from its start: the slot
-    free longest goes first, so its free is likely journaled already (see
-    allocator.hpp). ``fenced`` is a FIFO of fenced ones, taken only when
-    ``ready`` runs out (the core cannot ask an event whether it passed: no
-    refresh). Allocation leaves a slot's fence in place: its new owner waits on it."""
+    free longest goes first, so its free is likely journaled already. Then
+    ``fresh``, the slots never handed out since the pool was built (or
+    recovered), lowest first; a queue is topped up from it to QUEUE_WINDOW
+    slots, so a freed slot waits behind that many and a disk segment stays
+    within the live pages plus the window (see allocator.hpp). ``fenced`` is
+    a FIFO of fenced ones, taken only when both run out (the core cannot ask
+    an event whether it passed: no refresh). Allocation leaves a slot's fence
+    in place: its new owner waits on it."""
 
-    __slots__ = ("capacity", "queue", "ready", "fenced", "free_mark", "fence")
+    __slots__ = ("capacity", "queue", "ready", "fresh", "fenced", "free_mark", "fence")
 
     def __init__(self, capacity: int, queue: bool = False) -> None:
         self.capacity = capacity
         self.queue = queue
-        self.ready: deque[int] = self._initial(range(capacity))      # slot 0 next
+        self.ready: deque[int] = deque()
+        self.fresh = list(range(capacity - 1, -1, -1))      # slot 0 next (at the end)
         self.fenced: deque[int] = deque()
         self.free_mark = bytearray(b"\x01" * capacity)
         self.fence = [0] * capacity
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self.queue and len(self.ready) < QUEUE_WINDOW and self.fresh:
+            self.ready.append(self.fresh.pop())
 
     @property
     def free(self) -> int:
-        return len(self.ready) + len(self.fenced)
+        return len(self.ready) + len(self.fresh) + len(self.fenced)
 
     @property
     def used(self) -> int:
@@ -235,12 +246,13 @@ class SlotAllocator:
     def allocate(self, n: int) -> list[int] | None:
         if n < 0 or n > self.free:
             return None
-        k = min(n, len(self.ready))
         take = self.ready.popleft if self.queue else self.ready.pop
-        out = [take() for _ in range(k)]
-        out += [self.fenced.popleft() for _ in range(n - k)]
-        for s in out:
+        out = []
+        for _ in range(n):
+            self._top_up()
+            s = take() if self.ready else self.fresh.pop() if self.fresh else self.fenced.popleft()
             self.free_mark[s] = 0
+            out.append(s)
         return out
 
     def release(self, slots: list[int], fence: int) -> None:
@@ -263,15 +275,13 @@ class SlotAllocator:
 
     def reset_used(self, keep: bytearray) -> None:
         """Recovery: exactly the slots in ``keep`` are in use; the lowest free slot goes first."""
+        self.ready = deque()
         self.fenced = deque()
         for s in range(self.capacity):
             self.free_mark[s] = 0 if keep[s] else 1
             self.fence[s] = 0
-        self.ready = self._initial(s for s in range(self.capacity) if not keep[s])
-
-    def _initial(self, ascending) -> deque[int]:
-        """The ready pool of these free slots (ascending), the lowest next."""
-        return deque(ascending) if self.queue else deque(sorted(ascending, reverse=True))
+        self.fresh = [s for s in range(self.capacity - 1, -1, -1) if not keep[s]]
+        self._top_up()
 
 
 # -- records -------------------------------------------------------------------------------------
