@@ -645,8 +645,10 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
             overwrites[reserve] = (len(appends), st["moves"]["host->disk"]["batches"])
             store.check_consistency()
     (with_reserve, spills), (without, spills0) = overwrites[0.01], overwrites[0.0]
-    assert with_reserve <= spills // 20, (with_reserve, spills)     # 2 of 169 spills measured
-    assert without >= spills0 // 8, (without, spills0)      # 42 of 169: the allocator's order alone is not enough
+    # measured: 3-6 of 169 spills (10-13 under a concurrent load: the background drop and the
+    # commits race the spills) against 41-42 without the reserve (the allocator's order alone)
+    assert with_reserve <= spills // 8, (with_reserve, spills)
+    assert without >= spills0 // 6, (without, spills0)
 
 
 async def test_persisting_at_close_drops_no_disk_page_to_refill_the_disk_reserve(tmp_path):
