@@ -185,6 +185,9 @@ async def test_a_promotion_reads_from_the_page_cache_while_the_read_thread_is_bu
     async with Store.open(cfg) as store:
         for base in range(12):
             await fill(store, toks(base, 4))
+        await store.drain()
+        store.engine.io_write.synchronize()                # frees applied: nothing else takes the group's lock
+        store.disk.flush()                                  # and nothing left for the committer
         gate = threading.Event()
         busy = store.engine.io_read.submit(gate.wait)      # another job holds the read thread
         try:
