@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import asyncio
 import threading
 import time
 from typing import Callable
@@ -127,3 +128,25 @@ async def prefill_keys(store, keys) -> int:
 
 def toks(base, n_blocks, tpb=4):
     return [base * 100000 + i for i in range(n_blocks * tpb)]
+
+
+async def acquire_while_held(store, stream, tokens) -> dict:
+    """Open and acquire ``tokens`` while another job holds ``stream``'s worker thread: the
+    acquire must finish without that thread (on the loop). Checks every matched page's bytes,
+    releases, closes, lets the thread go and checks the store; returns what the sequence
+    matched by tier."""
+    gate = threading.Event()
+    busy = stream.submit(gate.wait)
+    try:
+        seq = await store.open_sequence(tokens=tokens)
+        await asyncio.wait_for(seq.acquire(), 5)
+        assert not busy.query()
+        for b in range(seq.matched_blocks):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+        await seq.close()
+    finally:
+        gate.set()
+    busy.synchronize(5)
+    store.check_consistency()
+    return seq.matched_by_tier

@@ -3,6 +3,7 @@ tier equivalence with a plain LRU, and concurrent sequences under pressure."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
@@ -18,11 +19,26 @@ from runtime.pages import DISK, GPU, HOST
 from runtime.tools.trace import read_trace
 from tiers.streams import HostEvent
 
-from helpers import (DEVICE, config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles,
-                     write_blocks)
+from helpers import (DEVICE, acquire_while_held, config, expected_block, fill, prefill_keys, read_block, toks,
+                     two_life_cycles, write_blocks)
 
 TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces",
                      "synthetic_trace.jsonl")
+
+
+@contextlib.asynccontextmanager
+async def _gpu_of_64_committed():
+    """A store of 64 GPU slots (a reserve of 8) and 512 host slots, with 64 pages committed."""
+    cfg = config(gpu=64, host=512, tpb=1)
+    cfg.gpu.reserve = 0.125
+    async with Store.open(cfg) as store:
+        for i in range(8):
+            seq = await store.open_sequence(block_keys=list(range(i * 100, i * 100 + 8)))
+            await seq.extend(8)
+            seq.commit(8)
+            await seq.close()
+        await store.drain()
+        yield store
 
 
 async def _push_to_host(store, tokens):
@@ -39,21 +55,8 @@ async def test_a_small_promotion_passes_a_busy_copy_stream_and_reads_back_exact(
     idle, and each such promotion hopped to the thread); the bytes arrive exact."""
     async with Store.open(config(gpu=4, host=16)) as store:
         await _push_to_host(store, toks(1, 4))
-        gate = threading.Event()
-        busy = store.engine.up.submit(gate.wait)            # another job holds the copy thread
-        try:
-            seq = await asyncio.wait_for(store.open_sequence(tokens=toks(1, 4)), 5)
-            await asyncio.wait_for(seq.acquire(), 5)        # done while the thread is still held
-            assert not busy.query()
-            assert store.stats()["moves"]["host->gpu"]["pages"] == 4
-            for b in range(4):
-                assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
-            await seq.release()
-            await seq.close()
-        finally:
-            gate.set()
-        busy.synchronize(5)
-        store.check_consistency()
+        assert (await acquire_while_held(store, store.engine.up, toks(1, 4)))["host"] == 4
+        assert store.stats()["moves"]["host->gpu"]["pages"] == 4
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the emulated copy streams' inline jobs")
@@ -93,15 +96,7 @@ async def test_a_demotion_takes_at_least_a_refill_step():
     """At concurrency 32 demand evictions of a few pages each made 1.5x the batches of
     concurrency 1: a demotion from a group with a reserve takes at least one refill step (the
     last tier, which drops, takes only what it needs)."""
-    cfg = config(gpu=64, host=512, tpb=1)
-    cfg.gpu.reserve = 0.125                                 # keep 8 free, refill by a step of 8
-    async with Store.open(cfg) as store:
-        for i in range(8):
-            seq = await store.open_sequence(block_keys=list(range(i * 100, i * 100 + 8)))
-            await seq.extend(8)
-            seq.commit(8)
-            await seq.close()
-        await store.drain()
+    async with _gpu_of_64_committed() as store:       # keep 8 free, refill by a step of 8
         r = store.reclaimers[(GPU, 0)]
         assert r.step == 8 and store.core.queue_len(GPU, 0) > 8
         victims = store._pick_victims(GPU, 0, 1)
@@ -334,15 +329,7 @@ async def test_concurrent_demand_evictions_do_not_overshoot_the_reserve():
     leaving far more free slots than the reserve (free slots hold no page: lost hits, and
     more moves). Now a request waits for demotions in flight that will give back enough,
     and the extra refills the reserve once (each batch at least a refill step)."""
-    cfg = config(gpu=64, host=512, tpb=1)
-    cfg.gpu.reserve = 0.125                     # keep 8 free, refill to 16
-    async with Store.open(cfg) as store:
-        for i in range(8):
-            seq = await store.open_sequence(block_keys=list(range(i * 100, i * 100 + 8)))
-            await seq.extend(8)
-            seq.commit(8)
-            await seq.close()
-        await store.drain()
+    async with _gpu_of_64_committed() as store:       # keep 8 free, refill to 16
         free = store.stats()["tiers"]["gpu"]["groups"][0]["free"]
         before = store.stats()["moves"]["gpu->host"]["pages"]
 
@@ -634,10 +621,7 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
             append_frees = store.disk._append_frees
             store.disk._append_frees = lambda grp, slots: (appends.append(len(slots)), append_frees(grp, slots))
             for a in range(0, g + h + d + 20_000, 256):
-                seq = await store.open_sequence(block_keys=list(range(a, a + 256)))
-                await seq.extend(256)
-                seq.commit(256)
-                await seq.close()
+                await prefill_keys(store, list(range(a, a + 256)))
             await store.drain()
             st = store.stats()
             assert st["moves"]["host->disk"]["pages"] > d + 10_000
@@ -661,10 +645,7 @@ async def test_persisting_at_close_drops_no_disk_page_to_refill_the_disk_reserve
     async with Store.open(cfg) as store:
         assert store.reclaimers[(DISK, 0)].low == 1024
         for a in range(0, g + h + d + 8192, 2048):
-            seq = await store.open_sequence(block_keys=list(range(a, a + 2048)))
-            await seq.extend(2048)
-            seq.commit(2048)
-            await seq.close()
+            await prefill_keys(store, list(range(a, a + 2048)))
         await store.drain()
     async with Store.open(cfg) as store:
         assert store.stats()["recovered_pages"] == d       # every disk slot holds a page
