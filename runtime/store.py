@@ -236,19 +236,18 @@ class Store:
             scale = min(1.0, third / tier_slots[t]) if tier_slots[t] else 1.0
             for g in range(core.n_groups(t)):
                 cap = core.capacity(t, g)
-                if not last:
-                    low = int(cap * scale * cfg.reserve)
-                elif cfg.reserve > 0 and len(self.tier_ids) > 1:    # two spill batches
-                    low = min(2 * self._line_batch[self.tier_ids[-2]], cap // 8)
-                else:
-                    continue
                 # the refill step: REFILL_BYTES of pages, within STEP_SHARE of the store (spread
                 # over the tier's groups by size) and an eighth of the group
                 page = self.slabs[t][g].spec.slot_bytes if t != DISK else self.engine.cold_bytes[g]
                 step = min(-(-REFILL_BYTES // page), int(STEP_SHARE * total * cap / tier_slots[t]), cap // 8)
                 if not last:
+                    low = int(cap * scale * cfg.reserve)
                     step = max(low, step)
-                elif low + step > DISK_SHARE * cap:
+                elif cfg.reserve > 0 and len(self.tier_ids) > 1:    # two spill batches
+                    low = min(2 * self._line_batch[self.tier_ids[-2]], cap // 8)
+                    if low + step > DISK_SHARE * cap:
+                        continue
+                else:
                     continue
                 if low > 0 and step > 0:
                     r = self.reclaimers[(t, g)] = Reclaimer(self, t, g, low, step)

@@ -192,6 +192,10 @@ class HostStream:
             failed, self._failed_wait = self._failed_wait, None
             ev.set(failed)
             return
+        self._run_job(fn, ev)
+
+    def _run_job(self, fn: Callable[[], None], ev: HostEvent | None) -> None:
+        """Run ``fn`` and complete ``ev`` with how it ended (a fire-and-forget job's error logs)."""
         try:
             fn()
         except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
@@ -216,16 +220,7 @@ class HostStream:
             self._execute(fn, ev)
             return ev
         if inline and not ordered:      # past queued work: a failed wait there is not this job's
-            try:
-                fn()
-            except BaseException as exc:   # noqa: BLE001 - delivered to the event's waiters
-                if ev is None:
-                    _log.warning("%s: inline job failed: %r", self.name, exc)
-                    return None
-                ev.set(exc)
-            else:
-                if ev is not None:
-                    ev.set()
+            self._run_job(fn, ev)
             return ev
         self._queued += 1
         self._queue.put((fn, ev))
