@@ -36,7 +36,12 @@ from .stats import MoveStats
 
 
 log = logging.getLogger("kvtier")
-INLINE_BYTES = 256 << 10   # an emulated GPU<->host copy this small runs on the loop when its stream is idle
+# An emulated GPU<->host copy (or a disk read from the page cache) this small runs on the loop
+# rather than on its stream's thread: a refill step of small pages (reclaim.REFILL_BYTES), about
+# 0.2-0.5 ms of memcpy. A hop to the thread cost a wait for it to start (the GIL behind a busy
+# loop) and a loop turn to hear back; a request short of GPU slots waited 0.65 ms on average for
+# a demotion's copy there. From 256 KiB to 2 MiB: +19 % at concurrency 1, +21 % at 32 (docs/BENCH.md).
+INLINE_BYTES = 2 << 20
 SPILL_CHUNK_BYTES = 32 << 20   # the most one disk write (one batch of the disk tier's queue) of a spill takes
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 # upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
@@ -254,7 +259,7 @@ class MigrationEngine:
         dev = self.device.torch_device
         host_dev = _HOST
         nbytes = n_pages * self._dst_width(dst_tier, dst_group)
-        small = nbytes <= INLINE_BYTES   # a few µs of memcpy: cheaper on the loop than a hop to a copy thread
+        small = nbytes <= INLINE_BYTES   # cheaper on the loop than a hop to a copy thread
 
         if src_tier == GPU:
             hot = self.gpu[src_group]

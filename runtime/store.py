@@ -56,8 +56,9 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
                ReusePolicy.PRIVATE: 3}
 
 # The loop's thread keeps the GIL through native copies and checksums smaller than this (workers
-# below 64 KiB): its inline copies are at most 256 KiB, tens of microseconds, and giving the GIL
-# up cost each a wait to get it back that was longer than the copy (tiers/native/module.cpp).
+# below 64 KiB): giving it up for a copy of a few hundred KiB cost a wait to get it back that was
+# longer than the copy (tiers/native/module.cpp). Inline copies go up to 2 MiB (migration.INLINE_BYTES);
+# keeping the GIL through those too (4 MiB here) measured no better: 4 of 7 pairs at concurrency 1.
 LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
 REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
 

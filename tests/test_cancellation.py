@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from runtime import LayerSpec, OutOfPagesError, Store, StoreClosedError, migration
+from runtime import OutOfPagesError, Store, StoreClosedError, migration
 
-from helpers import DEVICE, config, expected_block, fill, read_block, toks
+from helpers import DEVICE, config, expected_block, fill, half_inline_layers, read_block, toks
 
 pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="gates the emulated streams' worker threads")
 
@@ -180,7 +180,7 @@ async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequen
     sequence's id, and another request may take it before the release resumes. The release
     used to go on with the stale id and unlock that request's pages (found in review)."""
     # pages too large to read from the page cache on the loop: the promotion waits on the gated thread
-    big = [LayerSpec(0, (("k", 40 << 10), ("v", 40 << 10)))]
+    big = half_inline_layers()
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path, layers=big)) as store:
         for base in range(1, 5):
             await fill(store, toks(base, 4))
@@ -305,7 +305,7 @@ async def test_a_move_cancelled_while_its_copy_is_queued_hands_its_slots_on_only
     """A move cancelled while its copy job is still queued used to give its destination slots
     back at once; another promotion, copied inline past the queued job, could take one, and the
     stale copy then overwrote it (found in review). The cancelled move now waits for its job."""
-    big = [LayerSpec(0, (("k", 40 << 10), ("v", 40 << 10)))]    # four pages too large to copy inline, one not
+    big = half_inline_layers()                          # four pages too large to copy inline, one not
     async with Store.open(config(gpu=4, host=16, layers=big, tpb=4)) as store:
         await fill(store, toks(1, 4))
         await fill(store, toks(2, 1))

@@ -19,8 +19,8 @@ from runtime.pages import DISK, GPU, HOST
 from runtime.tools.trace import read_trace
 from tiers.streams import HostEvent
 
-from helpers import (DEVICE, acquire_while_held, config, expected_block, fill, prefill_keys, read_block, toks,
-                     two_life_cycles, write_blocks)
+from helpers import (DEVICE, acquire_while_held, config, expected_block, fill, half_inline_layers, prefill_keys,
+                     read_block, toks, two_life_cycles, write_blocks)
 
 TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces",
                      "synthetic_trace.jsonl")
@@ -173,7 +173,7 @@ async def test_failed_move_keeps_the_source_and_reaches_every_waiter():
 @pytest.mark.skipif(DEVICE == "cuda", reason="gates the emulated copy stream's worker thread")
 async def test_cancelled_acquire_leaks_nothing():
     # pages too large to copy on the loop: the promotion waits on the gated copy thread
-    big = [LayerSpec(0, (("k", 40 << 10), ("v", 40 << 10)))]
+    big = half_inline_layers()
     async with Store.open(config(gpu=4, host=16, layers=big)) as store:
         await _push_to_host(store, toks(1, 4))
         gate = threading.Event()
