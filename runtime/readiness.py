@@ -63,6 +63,16 @@ async def outlast(ev: Event, loop: asyncio.AbstractEventLoop | None = None) -> N
         fut.exception()         # retrieved: a failed job is the caller's to report, not the loop's
 
 
+async def ended(ev: Event, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Wait until ``ev`` is done, whatever it ended with; cancelling the waiter cancels only the
+    wait (for a caller that watches work it does not own, as ``Store.drain``)."""
+    if ev.query():
+        return
+    fut = event_future(ev, loop)
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())    # retrieved: the job reports it
+    await asyncio.wait([fut])
+
+
 async def wait_events(events: Iterable[Event | None]) -> None:
     pending = {id(e): e for e in events if e is not None}
     for ev in pending.values():

@@ -40,6 +40,7 @@ async def persist(store: "Store") -> None:
     finally:
         if anchors:
             store._unclaim(anchors, None)
+    await store._behind_written()        # spills written behind are journaled by this flush too
     await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
 

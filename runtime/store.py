@@ -41,7 +41,7 @@ from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .loop import short_switch_interval, start_eagerly
 from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
-from .readiness import wait_events
+from .readiness import ended, wait_events
 from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
 from .recovery import index_recovered, persist
 from .remote import RemoteLink
@@ -197,6 +197,7 @@ class Store:
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
             self.engine.loop = loop
+            self.engine.on_behind_failure = self._behind_failed
             if self.kv_events is not None:
                 self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:
@@ -952,6 +953,19 @@ class Store:
         self._sync()
         return freed
 
+    def _behind_failed(self, exc: BaseException, batch: Batch) -> None:
+        """A spill written behind failed after its pages landed (migration._spill_behind): the
+        disk tier forgot their slots; the pages are dropped (a miss from now on, as after a
+        refused spill), but for any a read has claimed meanwhile, which that read drops."""
+        if batch.ready_id:
+            self.core.discard_unwritten(batch.pages, batch.ready_id)
+            self._sync()
+        if isinstance(exc, DiskFullError):
+            self._disk_full(exc, len(batch))
+        else:
+            log.warning("a disk write of %d spilled page(s) failed after they landed: %r; they are dropped",
+                        len(batch), exc)
+
     def _disk_full(self, exc: DiskFullError, dropped: int) -> None:
         """Count a spill the full filesystem refused, and say so (once a minute at most)."""
         self.disk_full_events += 1
@@ -999,6 +1013,9 @@ class Store:
         fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
         self._sync()
         job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)), lambda: self.records(batch))
+        # a spill of pages the store may lose is written behind (migration._spill_behind); not with
+        # a remote tier, whose write-back reads disk victims before their drop
+        job.behind = src_tier == HOST and dst_tier == DISK and self.remote is None and core.droppable(batch)
         reserved = 0
         if self.remote is not None and self.remote.settings.write == "through" and src_tier == GPU:
             # leaving the GPU: write-through to the remote tier
@@ -1037,7 +1054,10 @@ class Store:
         if reserved:                            # the tee never ran (its copy failed): nothing to write
             self.remote.release(reserved)
             self.remote.skipped_pages += len(src_slots)
-        claims, freed = core.land(batch, dst_tier, g, dst_slots, self.events.id(ev), handoff)
+        ready = self.events.id(ev)
+        if job.released:
+            job.pages, job.ready_id = batch, ready
+        claims, freed = core.land(batch, dst_tier, g, dst_slots, ready, handoff, 0 if job.released else None)
         self.claims.settle(claims)
         self._sync()
         return freed
@@ -1118,8 +1138,9 @@ class Store:
             return any(r.busy or (r.wake.is_set() and r.task is not None) for r in self.reclaimers.values())
 
         while True:
-            while self._tasks or background():
+            while self._tasks or background() or self.engine.behind:
                 await self._wait_tasks()
+                await self._behind_written()
                 await asyncio.sleep(0.001)
             if self.write_through is None or self.closed:
                 return
@@ -1129,6 +1150,11 @@ class Store:
             await asyncio.wait([self.write_through.flush_pass()])
             if not self._tasks and not background():
                 return
+
+    async def _behind_written(self) -> None:
+        """Wait for the spills written behind so far to end (written or failed)."""
+        for ev in list(self.engine.behind):
+            await ended(ev, self._loop)
 
     async def _wait_tasks(self) -> None:
         """Wait for the store's tasks to end. ``asyncio.wait``, not ``gather``:

@@ -26,9 +26,10 @@ async def _check_all(store, bases) -> None:
         await seq.close()
 
 
-async def test_a_cancelled_drain_cancels_no_move(tmp_path):
+async def test_a_cancelled_drain_cancels_no_move(tmp_path, monkeypatch):
     """drain() used to gather the store's tasks: cancelling it cancelled the moves it waited for,
     and later operations failed with 'slot ... holds a live page'."""
+    monkeypatch.setattr(migration, "BEHIND_BYTES", 0)   # spills wait for their writes (none behind)
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
         for base in range(1, 3):
             await fill(store, toks(base, 4))
@@ -56,9 +57,10 @@ async def test_a_cancelled_drain_cancels_no_move(tmp_path):
         await _check_all(store, range(1, 12))
 
 
-async def test_a_cancelled_close_still_closes(tmp_path):
+async def test_a_cancelled_close_still_closes(tmp_path, monkeypatch):
     """Cancelling close() used to cancel the store's tasks: a request that cancelled nothing got
     CancelledError, and pages in flight were lost to the restart."""
+    monkeypatch.setattr(migration, "BEHIND_BYTES", 0)   # spills wait for their writes (none behind)
     store = await Store.open(config(gpu=8, host=8, disk=64, disk_dir=tmp_path))
     for base in range(1, 8):
         await fill(store, toks(base, 4))

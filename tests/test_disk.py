@@ -318,8 +318,9 @@ def test_flipped_bytes_discarded_at_read(tmp_path, mode, caplog):
                 assert np.array_equal(out[i].numpy(), page_bytes(s, 4096))
         assert tier.discarded == [(0, 5, "checksum mismatch")]
         assert tier.stats["discarded"] == 1
-        with pytest.raises(UsageError):
-            read_back(tier, 0, [5])                              # forgotten, as if freed
+        with pytest.raises(CorruptPageError) as ei:
+            read_back(tier, 0, [5])                              # forgotten: named as discarded
+        assert ei.value.slots == [5]
         tier.free(0, [5])                                        # the runtime releasing it is fine
         # verify_all finds the other one
         found = tier.verify_all()

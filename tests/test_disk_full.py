@@ -29,15 +29,18 @@ async def test_spills_past_a_full_disk_drop_instead_of_failing(tmp_path, caplog)
         async with Store.open(cfg) as store:
             for base in range(40):                       # 160 blocks through 8 + 8 + (24 that fit) pages
                 await fill(store, toks(base, 4))
+            await store.drain()                          # spills written behind count when their write ends
             stats = store.stats()
             assert stats["disk_full"]["refused_spills"] > 0 and stats["disk_full"]["dropped_pages"] > 0
             served = 0
             for base in range(40):                       # every re-read succeeds: a hit is exact, the rest miss
                 seq = await store.open_sequence(tokens=toks(base, 4))
                 await seq.acquire()
+                redo = seq.recompute_blocks(0)          # pages of a refused write a read had claimed
                 for b in range(seq.matched_blocks):
-                    assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
-                served += seq.matched_blocks
+                    if b not in redo:
+                        assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+                served += seq.matched_blocks - len(redo)
                 await seq.extend(4 - seq.num_blocks)
                 await seq.release()
                 await seq.close()
@@ -61,13 +64,16 @@ async def test_a_full_disk_with_two_life_cycles_in_one_group(tmp_path):
         for base in range(30):
             await fill(store, toks(base, 3))
             store.check_consistency()
+        await store.drain()
         assert store.stats()["disk_full"]["refused_spills"] > 0
         for base in range(30):
             seq = await store.open_sequence(tokens=toks(base, 3))
             await seq.acquire()
-            for b in range(seq.matched_blocks):
-                for lc in range(2):
-                    assert torch.equal(read_block(store, seq, lc, b), expected_block(store, seq, lc, b))
+            for lc in range(2):
+                redo = seq.recompute_blocks(lc)     # pages of a refused write a read had claimed
+                for b in range(seq.matched_blocks):
+                    if b not in redo:
+                        assert torch.equal(read_block(store, seq, lc, b), expected_block(store, seq, lc, b))
             await seq.release()
             await seq.close()
         store.check_consistency()

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from runtime import ConfigError, LayerSpec, Store, TierIOError, UsageError
+from runtime import ConfigError, LayerSpec, Store, TierIOError, UsageError, migration
 from runtime.pages import DISK
 from runtime.views import page_view
 
@@ -162,9 +162,11 @@ async def test_deleted_segment(tmp_path):
 
 @pytest.mark.parametrize("op,err,typ", [("write", errno.EIO, TierIOError), ("read", errno.EIO, TierIOError),
                                         ("write", errno.ENOSPC, None)])
-async def test_io_faults_are_typed_and_lose_nothing(tmp_path, op, err, typ):
+async def test_io_faults_are_typed_and_lose_nothing(tmp_path, monkeypatch, op, err, typ):
     """An I/O error is typed and moves nothing; a full disk (ENOSPC) fails nothing: the evicted
-    cached pages are dropped instead of spilled (test_disk_full.py)."""
+    cached pages are dropped instead of spilled (test_disk_full.py). Spills that wait for their
+    write; one written behind loses its pages instead (test_spill_behind.py)."""
+    monkeypatch.setattr(migration, "BEHIND_BYTES", 0)
     async with Store.open(_cfg(tmp_path, gpu=8, host=4, disk=64)) as store:
         for base in range(5):
             await fill(store, toks(base, 4))                   # bases 0..1 on disk

@@ -99,8 +99,10 @@ async def test_spills_and_recalls_reuse_staging_and_read_back_exact(tmp_path):
             for b in range(3):
                 assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
             await seq.close()
-        assert store.stats()["moves"]["disk->gpu"]["batches"] >= 2
-        assert 1 <= store.engine.staging.allocated <= 3     # disk->gpu stages at least
+        moves = store.stats()["moves"]
+        staged = moves["host->disk"]["batches"] + moves["disk->gpu"]["batches"]   # spills are written behind
+        assert moves["disk->gpu"]["batches"] >= 2
+        assert 1 <= store.engine.staging.allocated <= staged // 2, (store.engine.staging.allocated, staged)   # reused
     finally:
         await store.close()
 

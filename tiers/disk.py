@@ -1080,13 +1080,23 @@ class DiskTier:
             raise TierIOError(errno.EIO, f"disk tier group {g.index} is unusable: {g.broken}; reopen the tier")
 
     def _check_live_locked(self, g: _Group, slots: np.ndarray) -> None:
-        """Under g.lock: the tier is open, the group usable, and every slot holds a page."""
+        """Under g.lock: the tier is open, the group usable, and every slot holds a page. A slot
+        whose page was discarded (found bad, or its write failed: ``forget``) is a
+        ``CorruptPageError`` naming it, as the read that found it bad was; any other empty slot
+        a ``UsageError``."""
         if self._closed:
             raise StoreClosedError("disk tier is closed")
         self._usable(g)
         g.reserve(int(slots.max()) + 1 if len(slots) else 0)
         missing = slots[~g.live[slots]]
         if len(missing):
+            gone = missing[g.forgotten[missing]]
+            if len(gone) == len(missing):
+                err = CorruptPageError(f"disk group {g.index}: {len(gone)} discarded page(s): "
+                                       f"{gone[:16].tolist()}")
+                err.slots = sorted(gone.tolist())
+                err.group = g.index
+                raise err
             raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
 
     @staticmethod
@@ -1136,19 +1146,22 @@ class DiskTier:
             for k, v in kw.items():
                 self._stats[k] += v
 
-    def _discard(self, g: _Group, slots: Iterable[int], reason: str) -> None:
-        """Forget pages found bad (caller holds g.lock); their frees are journaled lazily."""
+    def _discard(self, g: _Group, slots: Iterable[int], reason: str, live: bool = True) -> None:
+        """Forget pages found bad (caller holds g.lock); their frees are journaled lazily.
+        ``live=False``: slots that hold no page (``forget``)."""
         slots = np.asarray(list(slots), dtype=np.int64)
         if not len(slots):
             return
-        self._unlive(g, slots)
+        if live:
+            self._unlive(g, slots)
         g.forgotten[slots] = True
         listed = slots.tolist()
         with self._stats_lock:
             self.discarded.extend((g.index, s, reason) for s in listed)
             self._stats["discarded"] += len(listed)
-        log.warning("disk tier: group %d: discarded %d page(s) %s: %s", g.index, len(listed),
-                    listed if len(listed) <= 16 else f"{listed[:16]}...", reason)
+        # a failed write's caller reports the failure (a full disk once a minute): no line per write here
+        log.log(logging.WARNING if live else logging.DEBUG, "disk tier: group %d: discarded %d page(s) %s: %s",
+                g.index, len(listed), listed if len(listed) <= 16 else f"{listed[:16]}...", reason)
 
     def _unlive(self, g: _Group, slots: np.ndarray) -> None:
         """Under g.lock: ``slots`` hold no page from now on (see ``_Group.unlive``)."""
@@ -1732,7 +1745,8 @@ class DiskTier:
         Every page is checked against its checksum. Bad or short pages are reported in ``discarded``,
         forgotten as if freed, and ``CorruptPageError`` is raised with ``.slots`` (and ``.group``); the
         other rows of ``out`` are valid. An I/O error raises ``TierIOError`` and changes nothing.
-        A slot without a live page is a ``UsageError``.
+        A slot without a live page is a ``UsageError``, and one whose page was discarded (found bad
+        before, or ``forget``) a ``CorruptPageError`` naming it.
         """
         g = self._group(group)
         sl, order = self._check_slots(g, slots)
@@ -1850,6 +1864,23 @@ class DiskTier:
             g.queue(back, bool(g.journaled[sl[ours]].all()))
             self._commit_soon(g)
         self._settle(g, durable, undo)
+
+    def forget(self, group: int, slots: Iterable[int], reason: str) -> None:
+        """Count the pages of ``slots`` discarded, for a caller that had placed them before their
+        ``write`` ran and the write failed (a spill written behind: ``runtime.migration``). The
+        slots hold no page (a failed write changes nothing); from now on a read of one raises
+        ``CorruptPageError``, as for a page a read found bad, and a free of one is accepted.
+        ``UsageError`` for a slot that holds a page."""
+        g = self._group(group)
+        sl, _ = self._check_slots(g, slots)
+        if not len(sl):
+            return
+        with g.lock:
+            g.reserve(int(sl.max()) + 1)
+            if g.live[sl].any():
+                raise UsageError(f"slot {int(sl[g.live[sl]][0])} of disk group {g.index} holds a page; "
+                                 "only an empty slot can be forgotten")
+            self._discard(g, sl, reason, live=False)
 
     def free(self, group: int, slots: Iterable[int]) -> None:
         """Forget the pages in ``slots``. Free records are needed only for pages the journal names;

@@ -73,6 +73,18 @@ class StagingPool:
         yield buf[1][:rows * cols].reshape(rows, cols)
         self._give(buf)
 
+    def lend_array(self, rows: int, cols: int) -> tuple[np.ndarray, Callable[[], None]]:
+        """``borrow_array`` for a buffer that outlives the caller's block (a write queued on
+        a thread): the array and the call that gives it back (once; from any thread)."""
+        buf = self._take(rows * cols)
+        given = [False]
+
+        def give_back() -> None:
+            if not given[0]:
+                given[0] = True
+                self._give(buf)
+        return buf[1][:rows * cols].reshape(rows, cols), give_back
+
     def clear(self) -> None:
         with self._lock:
             self._free.clear()

@@ -6,6 +6,7 @@
 // and are converted here (see keys.hpp for the stored form).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -379,12 +380,17 @@ NB_MODULE(_core, m) {
              }
              return nb::bytes(buf.data(), buf.size());
            })
-      .def("land", [](Core& c, const Pages& p, int dst_tier, int g, const Ids& dst_slots, int32_t event, bool handoff) {
+      .def("land", [](Core& c, const Pages& p, int dst_tier, int g, const Ids& dst_slots, int32_t event, bool handoff,
+                      std::optional<int32_t> fence) {
              check_tier_group(c, dst_tier, g);
-             auto r = c.land(ids(c, p), dst_tier, g, dst_slots, event, handoff);
+             if (fence && *fence < 0) throw nb::value_error("land: fence must be an event id >= 0 (0: none)");
+             auto r = c.land(ids(c, p), dst_tier, g, dst_slots, event, handoff, fence ? *fence : -1);
              return nb::make_tuple(r.claims, r.slots);
-           })
+           }, "pages"_a, "dst_tier"_a, "dst_group"_a, "dst_slots"_a, "event"_a, "handoff"_a, "fence"_a = nb::none())
       .def("discard_corrupt", [](Core& c, const Pages& p, const Ids& bad) { return c.discard_corrupt(ids(c, p), bad); })
+      .def("discard_unwritten", [](Core& c, const Pages& p, int32_t event) {
+             return c.discard_unwritten(ids(c, p), event);
+           })
       // -- the disk tier across restarts
       .def("persist_candidates", [](const Core& c) {
              nb::list out;

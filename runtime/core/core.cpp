@@ -1111,8 +1111,10 @@ std::vector<BatchSpec> Core::split_batches(const Ids& pages, int dst_tier) const
   return out;
 }
 
-Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff) {
+Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff,
+                   int32_t fence) {
   require(batch.size() == dst_slots.size() && !batch.empty(), "land: one slot per page");
+  if (fence < 0) fence = event;
   for (size_t i = 0; i < batch.size(); ++i) {
     int32_t s = dst_slots[i];
     require(s >= 0 && s < allocs_[dst_tier][dst_group].capacity() && !allocs_[dst_tier][dst_group].is_free(s) &&
@@ -1165,10 +1167,10 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
   }
   if (src_tier == DISK && !freed.empty()) disk_frees_.push_back({src_group, freed});
   if (handoff) {                                   // the caller's next writer waits on this batch's reads
-    for (int32_t slot : freed) allocs_[src_tier][src_group].set_fence(slot, event);
+    for (int32_t slot : freed) allocs_[src_tier][src_group].set_fence(slot, fence);
     out.slots = freed;
   }
-  else allocs_[src_tier][src_group].release(freed.data(), freed.size(), event);
+  else allocs_[src_tier][src_group].release(freed.data(), freed.size(), fence);
   Ids live;
   out.claims = end_claims(batch, live);
   for (int32_t id : live) {
@@ -1337,6 +1339,19 @@ Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
     Page& p = pt_[id];
     if (!p.in_use() || p.dead || p.tier != DISK) continue;
     if (std::find(bad_slots.begin(), bad_slots.end(), p.slot) == bad_slots.end()) continue;
+    ++counters_.discarded;
+    depths.push_back(p.block >= 0 ? index_.blocks[p.block].depth : -1);
+    if (p.published) drop(id); else free_page(id);
+  }
+  return depths;
+}
+
+Ids Core::discard_unwritten(const Ids& batch, int32_t event) {
+  require(event > 0, "discard_unwritten: an event id > 0");
+  Ids depths;
+  for (int32_t id : batch) {
+    Page& p = pt_[id];
+    if (!p.in_use() || p.dead || p.tier != DISK || p.ready != event || p.claim != 0) continue;
     ++counters_.discarded;
     depths.push_back(p.block >= 0 ? index_.blocks[p.block].depth : -1);
     if (p.published) drop(id); else free_page(id);

@@ -214,10 +214,17 @@ class Core {
   std::vector<BatchSpec> split_batches(const Ids& pages, int dst_tier) const;
   // A batch that moved into (dst_tier, dst_group) at dst_slots, with `event`. With
   // write-through on, a published page promoted from the disk (no handoff) keeps its
-  // disk slot as its clean copy; a page that lands on the disk loses its copy.
-  Settled land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff);
+  // disk slot as its clean copy; a page that lands on the disk loses its copy. `fence`: the
+  // event the source slots' next writer waits for, when not `event` (-1): 0 for a batch whose
+  // source rows were copied out before it landed (a spill written behind from a staging copy).
+  Settled land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff,
+               int32_t fence = -1);
   // Disk pages found corrupt (at these source slots) are dropped; returns their depths.
   Ids discard_corrupt(const Ids& batch, const Ids& bad_slots);
+  // A spill that landed before its write, and the write failed (its slots hold nothing): the
+  // pages of `batch` still on the disk with `event` as their ready event and not claimed are
+  // dropped as discard_corrupt drops them (a claimed one fails its read, which discards it).
+  Ids discard_unwritten(const Ids& batch, int32_t event);
 
   // -- clean copies (write-through to disk) ----------------------------------------
   // With write-through on, every page published outside the disk tier is queued

@@ -1534,11 +1534,16 @@ class ModelCore:
         return out.tobytes()
 
     def land(self, pages: Pages, dst_tier: int, dst_group: int, dst_slots: list[int], event: int,
-             handoff: bool) -> tuple[list[int], list[int]]:
+             handoff: bool, fence: int | None = None) -> tuple[list[int], list[int]]:
         """A batch (one source tier and group) moved into ``dst_slots`` with
         ``event``: the source slots go to the caller (handoff) or back to their
-        pool fenced by ``event``. Returns (claims settled, handed-off slots)."""
+        pool fenced by ``fence`` (default ``event``; 0 for a batch whose source
+        rows were copied out before it landed). Returns (claims settled,
+        handed-off slots)."""
         self._check_tier_group(dst_tier, dst_group)
+        if fence is not None and fence < 0:
+            raise ValueError("land: fence must be an event id >= 0 (0: none)")
+        fence = event if fence is None else fence
         batch = _page_ids(pages)
         _require(len(batch) == len(dst_slots) and len(batch) > 0, "land: one slot per page")
         src_tier, src_group = self.pt[batch[0]].tier, self.pt[batch[0]].group
@@ -1573,10 +1578,10 @@ class ModelCore:
             self.disk_frees.append((src_group, list(freed)))
         if handoff:                     # the caller's next writer waits on this batch's reads
             for s in freed:
-                self.allocs[src_tier][src_group].fence[s] = event
+                self.allocs[src_tier][src_group].fence[s] = fence
             out_slots = freed
         else:
-            self.allocs[src_tier][src_group].release(freed, event)
+            self.allocs[src_tier][src_group].release(freed, fence)
             out_slots = []
         settled, live = self._end_claims(batch)
         for pid in live:
@@ -1728,6 +1733,24 @@ class ModelCore:
                 self.queues[DISK][p.group].push(pid)
         self._relabel_later(moved)
         return (claims, slots, Pages(rest))
+
+    def discard_unwritten(self, pages: Pages, event: int) -> list[int]:
+        """A spill that landed before its write, and the write failed: its pages still on
+        the disk with ``event`` as their ready event and not claimed are dropped (or freed),
+        as ``discard_corrupt`` does. Returns their depths."""
+        _require(event > 0, "discard_unwritten: an event id > 0")
+        depths = []
+        for pid in _page_ids(pages):
+            p = self.pt[pid]
+            if not p.in_use or p.dead or p.tier != DISK or p.ready != event or p.claim != 0:
+                continue
+            self.counters_.discarded += 1
+            depths.append(self.blocks[p.block].depth if p.block >= 0 else -1)
+            if p.published:
+                self._drop(pid)
+            else:
+                self._free_page(pid)
+        return depths
 
     def discard_corrupt(self, pages: Pages, bad_slots: list[int]) -> list[int]:
         """Disk pages found corrupt (at these slots) are never served: drop

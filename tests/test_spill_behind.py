@@ -1,0 +1,181 @@
+"""Spills written behind (migration.MigrationEngine._spill_behind): a small spill of pages the
+store may lose lands before its disk write; reads wait for the write; a write that fails loses
+only those pages, each dropped when next read."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+
+import pytest
+import torch
+
+from runtime import Store, migration
+
+from helpers import config, expected_block, fill, read_block, toks
+
+
+async def _read_all(store, base, n=4):
+    """Acquire base's prefix; returns (matched, recomputed) after checking every page kept."""
+    seq = await store.open_sequence(tokens=toks(base, n))
+    try:
+        matched = seq.matched_blocks
+        await seq.acquire()
+        redo = seq.recompute_blocks(0)
+        for b in range(matched):
+            if b not in redo:
+                assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+    finally:
+        await seq.close()
+    return matched, redo
+
+
+async def test_a_spill_lands_before_its_write_and_a_read_waits_for_the_write(tmp_path):
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 3):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        gate = threading.Event()
+        held = store.engine.io_write.submit(gate.wait)      # the disk writer is busy
+        try:
+            # base 3 pushes base 1 from the host to the disk: done while the writer is held
+            await asyncio.wait_for(fill(store, toks(3, 4)), 10)
+            assert store.engine.behind and not held.query()
+            assert store.stats()["tiers"]["disk"]["groups"][0]["used"] == 4
+            seq = await store.open_sequence(tokens=toks(1, 4))
+            assert seq.matched_blocks == 4 and seq.matched_by_tier["disk"] == 4
+            reading = asyncio.ensure_future(seq.acquire())
+            await asyncio.sleep(0.05)
+            assert not reading.done()                       # its read waits for the write
+        finally:
+            gate.set()
+        await asyncio.wait_for(reading, 10)
+        for b in range(4):
+            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+        await seq.close()
+        await store.drain()
+        assert not store.engine.behind
+        store.check_consistency()
+        moves = store.stats()["moves"]["host->disk"]
+        assert moves["pages"] >= 4 and moves["failures"] == 0 and moves["bandwidth_gbps"] > 0
+
+
+async def test_a_demotion_takes_the_host_slots_of_a_spill_whose_write_is_queued(tmp_path):
+    """The point of writing behind: host slots come free when the rows are copied out, so a
+    GPU demotion behind a spill does not wait for the disk."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        await fill(store, toks(1, 4))
+        await fill(store, toks(2, 4))
+        await store.drain()
+        gate = threading.Event()
+        store.engine.io_write.submit(gate.wait)
+        try:
+            for base in range(3, 7):                        # four spills of four pages queue up
+                await asyncio.wait_for(fill(store, toks(base, 4)), 10)
+            assert len(store.engine.behind) >= 3
+        finally:
+            gate.set()
+        await store.drain()
+        store.check_consistency()
+        for base in range(1, 7):
+            matched, redo = await _read_all(store, base)
+            assert matched == 4 and not redo
+
+
+@pytest.mark.parametrize("err,full", [(errno.EIO, False), (errno.ENOSPC, True)])
+async def test_a_failed_write_behind_loses_only_its_pages(tmp_path, err, full):
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 5):
+            await fill(store, toks(base, 4))                # bases 1..2 on the disk
+        await store.drain()
+        store.disk.inject_fault("write", err)
+        await fill(store, toks(5, 4))                       # base 3 spills; its write fails: no error here
+        await store.drain()
+        st = store.stats()
+        assert st["moves"]["host->disk"]["failures"] == 1
+        assert st["disk"]["discarded"] == 4
+        assert st["disk_full"]["refused_spills"] == (1 if full else 0)
+        store.check_consistency()
+        for base in (1, 2, 4, 5):                           # everything else reads back exact
+            matched, redo = await _read_all(store, base)
+            assert matched == 4 and not redo
+        matched, redo = await _read_all(store, 3)           # the lost pages were dropped: a miss
+        assert matched == 0 and store.stats()["corrupt_pages"] == 0
+        store.check_consistency()
+        await fill(store, toks(3, 4))                       # recomputed, and the tier takes spills again
+        for base in range(6, 9):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        matched, redo = await _read_all(store, 3)
+        assert matched == 4 and not redo
+        store.check_consistency()
+
+
+async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_blocks(tmp_path):
+    """A page claimed by a read when its write fails is not dropped under the read: the read
+    finds the slot forgotten (CorruptPageError) and drops it, and the acquire recomputes."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 3):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        gate = threading.Event()
+        store.engine.io_write.submit(gate.wait)
+        try:
+            store.disk.inject_fault("write", errno.EIO)
+            await fill(store, toks(3, 4))                   # base 1 spills behind the held writer
+            seq = await store.open_sequence(tokens=toks(1, 4))
+            assert seq.matched_by_tier["disk"] == 4
+            reading = asyncio.ensure_future(seq.acquire())
+            await asyncio.sleep(0.05)
+            assert not reading.done()
+        finally:
+            gate.set()
+        await asyncio.wait_for(reading, 10)
+        assert seq.recompute_blocks(0) == [0, 1, 2, 3]
+        await seq.extend(0)
+        await seq.release()
+        await seq.close()
+        await store.drain()
+        st = store.stats()
+        assert st["corrupt_pages"] == 4 and st["moves"]["host->disk"]["failures"] == 1
+        store.check_consistency()
+        for base in (2, 3):
+            matched, redo = await _read_all(store, base)
+            assert matched == 4 and not redo
+
+
+async def test_a_spill_above_the_limit_waits_for_its_write(tmp_path, monkeypatch):
+    """Spills above BEHIND_BYTES are not written behind (their gather would hold the loop); nor
+    are pages the store may not lose (Core.droppable: the differential tests cover it)."""
+    monkeypatch.setattr(migration, "BEHIND_BYTES", 4 * 512 - 1)     # under one spill of 4 pages
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 3):
+            await fill(store, toks(base, 4))
+        gate = threading.Event()
+        store.engine.io_write.submit(gate.wait)
+        try:
+            more = asyncio.ensure_future(fill(store, toks(3, 4)))
+            await asyncio.sleep(0.05)
+            assert not more.done() and not store.engine.behind      # the spill waits for the writer
+        finally:
+            gate.set()
+        await asyncio.wait_for(more, 10)
+        await store.drain()
+        store.check_consistency()
+        for base in range(1, 4):
+            matched, redo = await _read_all(store, base)
+            assert matched == 4 and not redo
+
+
+async def test_persisting_at_close_journals_the_spills_written_behind(tmp_path):
+    cfg = config(gpu=4, host=4, disk=64, disk_dir=tmp_path)
+    async with Store.open(cfg) as store:
+        for base in range(1, 9):
+            await fill(store, toks(base, 4))
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        assert store.stats()["recovered_pages"] == 32
+        for base in range(1, 9):
+            matched, redo = await _read_all(store, base)
+            assert matched == 4 and not redo
