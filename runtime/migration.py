@@ -206,7 +206,7 @@ def _rows_of(*pools) -> tuple:
 
 class MigrationEngine:
     __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
-                 "io_read", "tee", "stats", "latency", "fault", "loop", "behind", "behind_bytes", "on_behind_failure")
+                 "io_read", "tee", "stats", "latency", "fault", "loop", "behind", "behind_bytes", "staged", "on_behind_failure")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
                  cold_bytes: Sequence[int]) -> None:
@@ -228,6 +228,10 @@ class MigrationEngine:
         self.staging = StagingPool(lambda n: device.host_empty(1, n, zero=False).view(-1), STAGING_IDLE_BYTES)
         self.behind: set[Event] = set()      # writes behind not ended yet (Store.drain waits for them)
         self.behind_bytes = 0                # and the bytes they hold staged
+        # write event -> (disk group, its slots ascending, its staged rows, give the rows back): reads
+        # of pages whose write is queued copy from here (_read_staged). None: off (write-through keeps
+        # a promoted page's disk slot as its copy, whose bytes must be on the disk when it lands)
+        self.staged: dict[Event, tuple] | None = {}
         self.on_behind_failure: Callable[[BaseException, Batch], None] | None = None   # the store's
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
@@ -343,7 +347,8 @@ class MigrationEngine:
                 plain = hot.array is not None and self._identity(lcs)     # emulated: host memory end to end
                 borrow = self.staging.borrow_array if plain else self.staging.borrow
                 with borrow(n_pages, width) as staging:
-                    if not (small and self._read_cached(busy, src_group, src_slots, staging, read_deps)):
+                    if not (self._read_staged(src_group, src_slots, staging, read_deps) or
+                            small and self._read_cached(busy, src_group, src_slots, staging, read_deps)):
                         await self._stage(busy, self.io_read, lambda: self.disk.read(src_group, src_slots, staging),
                                           read_deps)
 
@@ -359,6 +364,36 @@ class MigrationEngine:
             if not batch.released:      # a write behind: when it ends (_behind_done)
                 self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
+
+    def _read_staged(self, group: int, slots: Sequence[int], out, deps: Iterable[Event | None]) -> bool:
+        """Disk pages whose writes behind are all still queued, copied from those writes' staging
+        rows here on the loop (True); False (``out`` maybe part written) where any page's ready
+        event is not such a write. The rows are the page's bytes until its write ends (``_behind_done``
+        gives the buffer back, on the loop, after forgetting the write). A recently spilled page
+        asked for again no longer waits on the read thread for its write (session 15: 0.36 s of
+        a 2 s replay)."""
+        if not self.staged:
+            return False
+        recs = []
+        for e in deps:
+            rec = self.staged.get(e) if e is not None else None
+            if rec is None or rec[0] != group:
+                return False
+            recs.append(rec)
+        if not recs:
+            return False
+        want = _index(slots)
+        dst = _host(out)
+        done = np.zeros(len(want), dtype=bool)
+        for _, written, rows, _ in recs:    # written: the write's disk slots, ascending; rows in that order
+            pos = np.searchsorted(written, want)
+            hit = pos < len(written)
+            hit[hit] = written[pos[hit]] == want[hit]
+            hit &= ~done
+            if hit.any():
+                _copy_rows(rows, pos[hit], dst, np.flatnonzero(hit))
+                done |= hit
+        return bool(done.all())
 
     def _read_cached(self, busy: list[float], group: int, slots: Sequence[int], out,
                      deps: Iterable[Event | None]) -> bool:
@@ -465,15 +500,17 @@ class MigrationEngine:
                 raise
             finally:
                 ran[1] = time.perf_counter() - t
-                give_back()
         ev = self.io_write.submit(job)
         self.behind.add(ev)
+        if self.staged is not None:
+            self.staged[ev] = (group, np.asarray(slots, dtype=np.int64), rows, give_back)
         self.behind_bytes += ran[2]
         loop = self.loop or asyncio.get_running_loop()
 
         def done(error: BaseException | None) -> None:
             try:
-                loop.call_soon_threadsafe(self._behind_done, ev, batch, group, slots, error, ran, t_start)
+                loop.call_soon_threadsafe(self._behind_done, ev, batch, group, slots, error, ran, t_start,
+                                          give_back)
             except RuntimeError:        # the loop is gone: nobody counts any more
                 pass
         ev.add_done_callback(done)
@@ -487,11 +524,13 @@ class MigrationEngine:
             log.warning("disk write of %d page(s) failed (%r), and forgetting its slots too: %r", len(slots), exc, e)
 
     def _behind_done(self, ev: Event, batch: Batch, group: int, slots: list[int], error: BaseException | None,
-                     ran: list, t_start: float) -> None:
+                     ran: list, t_start: float, give_back: Callable[[], None]) -> None:
         """On the loop, when a write behind ended: its time goes to the stats and the batch's
         latency; a failure is counted."""
         self.behind.discard(ev)
         self.behind_bytes -= ran[2]
+        rec = self.staged.pop(ev, None) if self.staged is not None else None
+        (rec[3] if rec is not None else give_back)()     # the rows are no page's any more
         self.stats.seconds["host->disk"] += ran[1]
         if error is None:
             self.latency.record(_DIRECTION[HOST][DISK], time.perf_counter() - t_start)

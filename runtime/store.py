@@ -198,6 +198,8 @@ class Store:
             await loop.run_in_executor(None, self._build)
             self.engine.loop = loop
             self.engine.on_behind_failure = self._behind_failed
+            if self.write_through is not None:
+                self.engine.staged = None       # a promoted page's disk copy must be written when it lands
             if self.kv_events is not None:
                 self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:

@@ -165,6 +165,7 @@ async def test_store_promotions_from_disk_read_on_the_loop_and_exact(tmp_path):
     async with Store.open(cfg) as store:
         for base in range(12):                          # 48 blocks: most go down to the disk
             await fill(store, toks(base, 4))
+        await store.drain()                             # written (a read of a write behind copies its rows)
         before = store.disk.stats["cached_reads"]
         for base in range(4):                           # the oldest: on disk
             seq = await store.open_sequence(tokens=toks(base, 4))

@@ -31,8 +31,13 @@ async def _read_all(store, base, n=4):
     return matched, redo
 
 
-async def test_a_spill_lands_before_its_write_and_a_read_waits_for_the_write(tmp_path):
+@pytest.mark.parametrize("staged", [True, False])
+async def test_a_spill_lands_before_its_write_and_a_read_waits_for_the_write(tmp_path, staged):
+    """A read of a page whose write is queued copies the write's staged rows (or, with that off,
+    as under write-through, waits for the write on the read thread)."""
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        if not staged:
+            store.engine.staged = None
         for base in range(1, 3):
             await fill(store, toks(base, 4))
         await store.drain()
@@ -47,7 +52,8 @@ async def test_a_spill_lands_before_its_write_and_a_read_waits_for_the_write(tmp
             assert seq.matched_blocks == 4 and seq.matched_by_tier["disk"] == 4
             reading = asyncio.ensure_future(seq.acquire())
             await asyncio.sleep(0.05)
-            assert not reading.done()                       # its read waits for the write
+            assert reading.done() == staged                 # from the staged rows, or after the write
+            assert not held.query()
         finally:
             gate.set()
         await asyncio.wait_for(reading, 10)
@@ -115,8 +121,11 @@ async def test_a_failed_write_behind_loses_only_its_pages(tmp_path, err, full):
 
 async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_blocks(tmp_path):
     """A page claimed by a read when its write fails is not dropped under the read: the read
-    finds the slot forgotten (CorruptPageError) and drops it, and the acquire recomputes."""
+    finds the slot forgotten (CorruptPageError) and drops it, and the acquire recomputes. (With
+    reads from the staged rows on, as by default without write-through, the read would not wait:
+    test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails.)"""
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        store.engine.staged = None
         for base in range(1, 3):
             await fill(store, toks(base, 4))
         await store.drain()
@@ -142,6 +151,29 @@ async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_block
         assert st["corrupt_pages"] == 4 and st["moves"]["host->disk"]["failures"] == 1
         store.check_consistency()
         for base in (2, 3):
+            matched, redo = await _read_all(store, base)
+            assert matched == 4 and not redo
+
+
+async def test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails(tmp_path):
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 3):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        gate = threading.Event()
+        store.engine.io_write.submit(gate.wait)
+        try:
+            store.disk.inject_fault("write", errno.EIO)
+            await fill(store, toks(3, 4))                   # base 1 spills behind the held writer
+            matched, redo = await _read_all(store, 1)       # back on the GPU from the staged rows
+            assert matched == 4 and not redo
+        finally:
+            gate.set()
+        await store.drain()
+        st = store.stats()
+        assert st["moves"]["host->disk"]["failures"] == 1 and st["corrupt_pages"] == 0
+        store.check_consistency()
+        for base in (1, 2, 3):                              # base 1 was promoted before the write failed
             matched, redo = await _read_all(store, base)
             assert matched == 4 and not redo
 

@@ -102,7 +102,9 @@ async def test_spills_and_recalls_reuse_staging_and_read_back_exact(tmp_path):
         moves = store.stats()["moves"]
         staged = moves["host->disk"]["batches"] + moves["disk->gpu"]["batches"]   # spills are written behind
         assert moves["disk->gpu"]["batches"] >= 2
-        assert 1 <= store.engine.staging.allocated <= staged // 2, (store.engine.staging.allocated, staged)   # reused
+        assert 1 <= store.engine.staging.allocated < staged, (store.engine.staging.allocated, staged)   # reused
+        await store.drain()                         # every buffer of a write behind went back
+        assert not store.engine.behind and not store.engine.staged and store.engine.behind_bytes == 0
     finally:
         await store.close()
 
