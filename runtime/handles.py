@@ -28,12 +28,14 @@ class EventTable:
         self._last: Event | None = None      # a batch's event is registered for its pages and slots at once
         self._last_id = 0
 
-    def id(self, ev: Event | None) -> int:
+    def id(self, ev: Event | None, keep: bool = False) -> int:
+        """``ev``'s id (0 for none, or one already done unless ``keep``: a caller that must
+        find its pages by this id later, whatever the event ended with)."""
         if ev is None:
             return 0
         if ev is self._last:
             return self._last_id
-        if ev.query():
+        if ev.query() and not keep:
             return 0
         self._next = self._next + 1 if self._next < _MAX_ID else 1
         self._events[self._next] = ev

@@ -36,8 +36,9 @@ from .stats import MoveStats
 
 
 log = logging.getLogger("kvtier")
-# An emulated GPU<->host copy (or a disk read from the page cache) this small runs on the loop
-# rather than on its stream's thread: a refill step of small pages (reclaim.REFILL_BYTES), about
+# An emulated GPU<->host copy this small runs on the loop (a disk read from the page cache too,
+# up to the disk tier's CACHED_READ_MAX) rather than on its stream's thread: a refill step of small
+# pages (reclaim.REFILL_BYTES), about
 # 0.2-0.5 ms of memcpy. A hop to the thread cost a wait for it to start (the GIL behind a busy
 # loop) and a loop turn to hear back; a request short of GPU slots waited 0.65 ms on average for
 # a demotion's copy there. From 256 KiB to 2 MiB: +19 % at concurrency 1, +21 % at 32 (docs/BENCH.md).

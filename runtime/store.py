@@ -39,7 +39,7 @@ from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .loop import short_switch_interval, start_eagerly
-from .migration import Batch, MigrationEngine
+from .migration import BEHIND_BYTES, Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import ended, wait_events
 from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
@@ -56,10 +56,10 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
                ReusePolicy.PRIVATE: 3}
 
 # The loop's thread keeps the GIL through native copies and checksums smaller than this (workers
-# below 64 KiB): giving it up for a copy of a few hundred KiB cost a wait to get it back that was
-# longer than the copy (tiers/native/module.cpp). Inline copies go up to 2 MiB (migration.INLINE_BYTES);
-# keeping the GIL through those too (4 MiB here) measured no better: 4 of 7 pairs at concurrency 1.
-LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
+# below 64 KiB): through every copy it makes itself (migration.INLINE_BYTES, BEHIND_BYTES). Giving
+# it up cost a wait to get it back of up to the switch interval: a 2 MiB copy on the loop took
+# 0.14 ms alone and 8.7 ms at p99 with a thread competing (review, session 15).
+LOOP_KEEPS_GIL_BELOW = BEHIND_BYTES + 1   # (the thread keeps the setting after close; only kvtier's kernels read it)
 REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
 
 
@@ -148,6 +148,8 @@ class Store:
         self.disk_full_events = 0          # spills the full filesystem refused ...
         self.disk_full_dropped = 0         # ... and the evicted pages dropped instead
         self._disk_full_logged = float("-inf")
+        self.behind_failures = 0           # spills written behind whose write failed (not a full disk)
+        self._behind_failure_logged = float("-inf")
         self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
         self.remote = RemoteLink(self, cfg.remote) if cfg.remote is not None else None
         self.write_through = WriteThrough(self, cfg.disk) \
@@ -322,6 +324,8 @@ class Store:
                 await persist(self)
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
+        if self.engine is not None:
+            await self._behind_written()        # a write that fails is still handled while the store is open
         if self.remote is not None:
             while self._tasks:                  # write-through started by persisting, imports of late opens
                 await self._wait_tasks()
@@ -959,14 +963,19 @@ class Store:
         """A spill written behind failed after its pages landed (migration._spill_behind): the
         disk tier forgot their slots; the pages are dropped (a miss from now on, as after a
         refused spill), but for any a read has claimed meanwhile, which that read drops."""
-        if batch.ready_id:
-            self.core.discard_unwritten(batch.pages, batch.ready_id)
-            self._sync()
+        if self.closed:
+            return                      # closing waited for the writes: nothing is served any more
+        self.core.discard_unwritten(batch.pages, batch.ready_id)
+        self._sync()
         if isinstance(exc, DiskFullError):
             self._disk_full(exc, len(batch))
-        else:
-            log.warning("a disk write of %d spilled page(s) failed after they landed: %r; they are dropped",
-                        len(batch), exc)
+            return
+        self.behind_failures += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._behind_failure_logged >= 60.0:       # once a minute at most, as a full disk
+            self._behind_failure_logged = now
+            log.warning("a disk write of %d spilled page(s) failed after they landed: %r; they are dropped "
+                        "(%d such write(s) so far)", len(batch), exc, self.behind_failures)
 
     def _disk_full(self, exc: DiskFullError, dropped: int) -> None:
         """Count a spill the full filesystem refused, and say so (once a minute at most)."""
@@ -1056,7 +1065,7 @@ class Store:
         if reserved:                            # the tee never ran (its copy failed): nothing to write
             self.remote.release(reserved)
             self.remote.skipped_pages += len(src_slots)
-        ready = self.events.id(ev)
+        ready = self.events.id(ev, keep=job.released)     # a write behind may have failed already
         if job.released:
             job.pages, job.ready_id = batch, ready
         claims, freed = core.land(batch, dst_tier, g, dst_slots, ready, handoff, 0 if job.released else None)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import threading
+import time
 
 import pytest
 import torch
 
-from runtime import Store, migration
+from runtime import Store, TierIOError, migration
+from runtime.stats import MoveStats
 
-from helpers import config, expected_block, fill, read_block, toks
+from helpers import config, expected_block, fill, read_block, toks, write_blocks
 
 
 async def _read_all(store, base, n=4):
@@ -201,7 +204,80 @@ async def test_a_spill_above_the_limit_waits_for_its_write(tmp_path, monkeypatch
             assert matched == 4 and not redo
 
 
+async def test_uncommitted_pages_are_not_written_behind_and_survive_a_failed_spill(tmp_path):
+    """A released sequence's uncommitted pages may not be lost (Core.droppable): their spill
+    waits for its write, whose failure leaves them where they were (found in review: with the
+    gate forced open they were dropped and recomputed)."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        a = await store.open_sequence(tokens=toks(100, 4))
+        await a.acquire()
+        await a.extend(4)
+        write_blocks(store, a, range(4))
+        a.commit(2)
+        await a.release()                                   # open and released: blocks 2, 3 uncommitted
+        store.disk.inject_fault("write", errno.EIO)
+        for base in range(1, 4):                            # a's pages go down; one spill fails
+            try:
+                await fill(store, toks(base, 4))
+            except TierIOError:
+                pass                                        # the spill that waited for its write
+        await store.drain()
+        await a.acquire()
+        assert a.recompute_blocks(0) == [] and a.num_blocks == 4
+        for b in range(4):
+            assert torch.equal(read_block(store, a, 0, b), expected_block(store, a, 0, b))
+        await a.release()
+        await a.close()
+        store.check_consistency()
+
+
+async def test_a_write_that_fails_before_its_pages_land_still_drops_them(tmp_path, monkeypatch):
+    """The write thread may finish (and fail) before the loop lands the batch: the pages' ready
+    event must still be registered for Core.discard_unwritten to find them (found in review)."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 5):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        record = MoveStats.record
+
+        def slow_record(self, src, dst, *a):                # the loop is slow to land a spill
+            if (src, dst) == ("host", "disk"):
+                time.sleep(0.05)
+            record(self, src, dst, *a)
+        monkeypatch.setattr(MoveStats, "record", slow_record)
+        store.disk.inject_fault("write", errno.EIO)
+        await fill(store, toks(5, 4))                       # base 3's spill fails before it lands
+        await store.drain()
+        assert store.stats()["moves"]["host->disk"]["failures"] == 1
+        matched, redo = await _read_all(store, 3)
+        assert matched == 0 and not redo                    # dropped: a miss, not a recompute
+        store.check_consistency()
+
+
+async def test_closing_with_failing_writes_behind_queued_is_clean(tmp_path, caplog):
+    """Closing waits for the writes behind even without persisting; one that fails then is
+    handled while the store is still open (found in review: a free submitted to a closed stream)."""
+    cfg = config(gpu=4, host=4, disk=64, disk_dir=tmp_path, persist_on_close=False)
+    with caplog.at_level(logging.WARNING):
+        async with Store.open(cfg) as store:
+            for base in range(1, 3):
+                await fill(store, toks(base, 4))
+            await store.drain()
+            gate = threading.Event()
+            store.engine.io_write.submit(gate.wait)
+            store.disk.inject_fault("write", errno.EIO, count=10)
+            for base in range(3, 6):
+                await fill(store, toks(base, 4))            # spills queue behind the held writer
+            assert store.engine.behind
+            asyncio.get_running_loop().call_later(0.05, gate.set)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        store.check_consistency()
+
+
 async def test_persisting_at_close_journals_the_spills_written_behind(tmp_path):
+    """An end-to-end check: every page of a store closed with writes behind queued is there after
+    a restart (closing runs the queued writes, and the disk tier's close journals them)."""
     cfg = config(gpu=4, host=4, disk=64, disk_dir=tmp_path)
     async with Store.open(cfg) as store:
         for base in range(1, 9):
