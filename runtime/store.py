@@ -39,7 +39,7 @@ from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .loop import short_switch_interval, start_eagerly
-from .migration import BEHIND_BYTES, Batch, MigrationEngine
+from .migration import Batch, MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .readiness import ended, wait_events
 from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
@@ -56,10 +56,14 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
                ReusePolicy.PRIVATE: 3}
 
 # The loop's thread keeps the GIL through native copies and checksums smaller than this (workers
-# below 64 KiB): through every copy it makes itself (migration.INLINE_BYTES, BEHIND_BYTES). Giving
-# it up cost a wait to get it back of up to the switch interval: a 2 MiB copy on the loop took
-# 0.14 ms alone and 8.7 ms at p99 with a thread competing (review, session 15).
-LOOP_KEEPS_GIL_BELOW = BEHIND_BYTES + 1   # (the thread keeps the setting after close; only kvtier's kernels read it)
+# below 64 KiB): giving it up for a copy of a few hundred KiB cost a wait to get it back that was
+# longer than the copy (tiers/native/module.cpp). The loop's own copies go up to 2 MiB inline and
+# 4 MiB gathered (migration.INLINE_BYTES, BEHIND_BYTES), and those above this give the GIL up: a
+# 2 MiB copy took 0.14 ms alone and 8.7 ms at p99 against a spinning Python thread (review,
+# session 15). Keeping it through 4 MiB cost the three-tier replay 16 % at concurrency 1 (1 of 5
+# pairs) and 4 % at 32 (2 of 5): the disk write thread then waits for it instead. The replay's loop
+# lag p99 at concurrency 32 stays 3.2-3.7 ms.
+LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
 REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
 
 
