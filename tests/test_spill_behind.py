@@ -122,6 +122,19 @@ async def test_a_failed_write_behind_loses_only_its_pages(tmp_path, err, full):
         store.check_consistency()
 
 
+async def _spill_failing_behind_a_held_writer(store) -> threading.Event:
+    """Bases 1 and 2 committed, then base 1 spilled to the disk behind a held write thread, its
+    write set to fail; returns the gate that lets the thread go (the caller sets it)."""
+    for base in range(1, 3):
+        await fill(store, toks(base, 4))
+    await store.drain()
+    gate = threading.Event()
+    store.engine.io_write.submit(gate.wait)
+    store.disk.inject_fault("write", errno.EIO)
+    await fill(store, toks(3, 4))
+    return gate
+
+
 async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_blocks(tmp_path):
     """A page claimed by a read when its write fails is not dropped under the read: the read
     finds the slot forgotten (CorruptPageError) and drops it, and the acquire recomputes. (With
@@ -129,14 +142,8 @@ async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_block
     test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails.)"""
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
         store.engine.staged = None
-        for base in range(1, 3):
-            await fill(store, toks(base, 4))
-        await store.drain()
-        gate = threading.Event()
-        store.engine.io_write.submit(gate.wait)
+        gate = await _spill_failing_behind_a_held_writer(store)
         try:
-            store.disk.inject_fault("write", errno.EIO)
-            await fill(store, toks(3, 4))                   # base 1 spills behind the held writer
             seq = await store.open_sequence(tokens=toks(1, 4))
             assert seq.matched_by_tier["disk"] == 4
             reading = asyncio.ensure_future(seq.acquire())
@@ -160,14 +167,8 @@ async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_block
 
 async def test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails(tmp_path):
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
-        for base in range(1, 3):
-            await fill(store, toks(base, 4))
-        await store.drain()
-        gate = threading.Event()
-        store.engine.io_write.submit(gate.wait)
+        gate = await _spill_failing_behind_a_held_writer(store)
         try:
-            store.disk.inject_fault("write", errno.EIO)
-            await fill(store, toks(3, 4))                   # base 1 spills behind the held writer
             matched, redo = await _read_all(store, 1)       # back on the GPU from the staged rows
             assert matched == 4 and not redo
         finally:

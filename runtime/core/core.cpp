@@ -1339,11 +1339,17 @@ Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
     Page& p = pt_[id];
     if (!p.in_use() || p.dead || p.tier != DISK) continue;
     if (std::find(bad_slots.begin(), bad_slots.end(), p.slot) == bad_slots.end()) continue;
-    ++counters_.discarded;
-    depths.push_back(p.block >= 0 ? index_.blocks[p.block].depth : -1);
-    if (p.published) drop(id); else free_page(id);
+    depths.push_back(discard_page(id));
   }
   return depths;
+}
+
+int32_t Core::discard_page(int32_t id) {
+  Page& p = pt_[id];
+  ++counters_.discarded;
+  int32_t depth = p.block >= 0 ? index_.blocks[p.block].depth : -1;
+  if (p.published) drop(id); else free_page(id);
+  return depth;
 }
 
 Ids Core::discard_unwritten(const Ids& batch, int32_t event) {
@@ -1352,9 +1358,7 @@ Ids Core::discard_unwritten(const Ids& batch, int32_t event) {
   for (int32_t id : batch) {
     Page& p = pt_[id];
     if (!p.in_use() || p.dead || p.tier != DISK || p.ready != event || p.claim != 0) continue;
-    ++counters_.discarded;
-    depths.push_back(p.block >= 0 ? index_.blocks[p.block].depth : -1);
-    if (p.published) drop(id); else free_page(id);
+    depths.push_back(discard_page(id));
   }
   return depths;
 }

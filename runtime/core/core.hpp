@@ -343,6 +343,7 @@ class Core {
   int32_t new_page(int32_t block, int lc, int tier, int group, int32_t slot, int priority);
   void free_page(int32_t id, bool release_slot = true);
   void release_slot(int tier, int group, int32_t slot, int32_t fence);
+  int32_t discard_page(int32_t id);            // drop (published) or free a disk page never served; its depth
   void drop(int32_t id, bool release_slot = true);
   void drop_subtree(int32_t root);
   void unindex(int32_t b);

@@ -1739,35 +1739,27 @@ class ModelCore:
         the disk with ``event`` as their ready event and not claimed are dropped (or freed),
         as ``discard_corrupt`` does. Returns their depths."""
         _require(event > 0, "discard_unwritten: an event id > 0")
-        depths = []
-        for pid in _page_ids(pages):
-            p = self.pt[pid]
-            if not p.in_use or p.dead or p.tier != DISK or p.ready != event or p.claim != 0:
-                continue
-            self.counters_.discarded += 1
-            depths.append(self.blocks[p.block].depth if p.block >= 0 else -1)
-            if p.published:
-                self._drop(pid)
-            else:
-                self._free_page(pid)
-        return depths
+        return [self._discard_page(pid) for pid in _page_ids(pages)
+                if (p := self.pt[pid]).in_use and not p.dead and p.tier == DISK and p.ready == event
+                and p.claim == 0]
+
+    def _discard_page(self, pid: int) -> int:
+        """Drop (a published page) or free a disk page that will never be served; its depth."""
+        p = self.pt[pid]
+        self.counters_.discarded += 1
+        depth = self.blocks[p.block].depth if p.block >= 0 else -1
+        if p.published:
+            self._drop(pid)
+        else:
+            self._free_page(pid)
+        return depth
 
     def discard_corrupt(self, pages: Pages, bad_slots: list[int]) -> list[int]:
         """Disk pages found corrupt (at these slots) are never served: drop
         (or free) them. Returns their depths."""
         bad = set(bad_slots)
-        depths = []
-        for pid in _page_ids(pages):
-            p = self.pt[pid]
-            if not p.in_use or p.dead or p.tier != DISK or p.slot not in bad:
-                continue
-            self.counters_.discarded += 1
-            depths.append(self.blocks[p.block].depth if p.block >= 0 else -1)
-            if p.published:
-                self._drop(pid)
-            else:
-                self._free_page(pid)
-        return depths
+        return [self._discard_page(pid) for pid in _page_ids(pages)
+                if (p := self.pt[pid]).in_use and not p.dead and p.tier == DISK and p.slot in bad]
 
     # -- the disk tier across restarts ------------------------------------------------------------------------------
     def _reaches_disk(self, b: int, chosen: set[int], memo: dict[int, bool]) -> bool:
