@@ -378,7 +378,7 @@ class MigrationEngine:
         recs = []
         for e in deps:
             rec = self.staged.get(e) if e is not None else None
-            if rec is None or rec[0] != group:
+            if rec is None or rec[0] != group or e.query():     # done: written (or failed), read the disk
                 return False
             recs.append(rec)
         if not recs:
@@ -390,7 +390,11 @@ class MigrationEngine:
             pos = np.searchsorted(written, want)
             hit = pos < len(written)
             hit[hit] = written[pos[hit]] == want[hit]
-            hit &= ~done
+            if (hit & done).any():
+                # a slot two queued writes fill (a page promoted from one, its slot reused by the
+                # other): which is this page's is not known here; the disk has the newest once both
+                # ran, in order (found in review)
+                return False
             if hit.any():
                 _copy_rows(rows, pos[hit], dst, np.flatnonzero(hit))
                 done |= hit

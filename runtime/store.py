@@ -1167,9 +1167,10 @@ class Store:
                 return
 
     async def _behind_written(self) -> None:
-        """Wait for the spills written behind so far to end (written or failed)."""
-        for ev in list(self.engine.behind):
-            await ended(ev, self._loop)
+        """Wait until no spill written behind is in flight (each written or failed)."""
+        while self.engine.behind:
+            await ended(next(iter(self.engine.behind)), self._loop)
+            await asyncio.sleep(0)      # its _behind_done (scheduled before the waiter woke) ran
 
     async def _wait_tasks(self) -> None:
         """Wait for the store's tasks to end. ``asyncio.wait``, not ``gather``:

@@ -9,11 +9,13 @@ import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from runtime import Store, TierIOError, migration
 from runtime.stats import MoveStats
+from tiers.streams import HostEvent
 
 from helpers import config, expected_block, fill, read_block, toks, write_blocks
 
@@ -288,3 +290,26 @@ async def test_persisting_at_close_journals_the_spills_written_behind(tmp_path):
         for base in range(1, 9):
             matched, redo = await _read_all(store, base)
             assert matched == 4 and not redo
+
+
+async def test_a_slot_two_queued_writes_fill_is_never_read_from_staged_rows(tmp_path):
+    """Page A written behind to slot 3 (with C to slot 7), A promoted from the staged rows, slot 3
+    reused by B's write behind: a promotion of B and C together names both writes, and the rows
+    of slot 3 in the first would be A's (found in review). It reads the disk instead."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        eng, width = store.engine, store.engine.cold_bytes[0]
+        old, new = HostEvent(), HostEvent()             # two writes, still queued
+        rows_old = np.full((2, width), 0xAA, np.uint8)
+        rows_old[1] = 0xCC
+        eng.staged[old] = (0, np.array([3, 7], dtype=np.int64), rows_old, lambda: None)
+        eng.staged[new] = (0, np.array([3], dtype=np.int64), np.full((1, width), 0xBB, np.uint8), lambda: None)
+        try:
+            out = np.zeros((2, width), np.uint8)
+            for deps in ([old, new], [new, old]):
+                assert not eng._read_staged(0, [3, 7], out, deps)
+            assert eng._read_staged(0, [7], out[:1], [old]) and (out[0] == 0xCC).all()
+            assert eng._read_staged(0, [3], out[:1], [new]) and (out[0] == 0xBB).all()
+            old.set()                                   # written: the disk has it, not the record
+            assert not eng._read_staged(0, [7], out[:1], [old])
+        finally:
+            eng.staged.clear()

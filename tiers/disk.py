@@ -1869,18 +1869,16 @@ class DiskTier:
         """Count the pages of ``slots`` discarded, for a caller that had placed them before their
         ``write`` ran and the write failed (a spill written behind: ``runtime.migration``). The
         slots hold no page (a failed write changes nothing); from now on a read of one raises
-        ``CorruptPageError``, as for a page a read found bad, and a free of one is accepted.
-        ``UsageError`` for a slot that holds a page."""
+        ``CorruptPageError``, as for a page a read found bad, and a free of one is accepted. A slot
+        that holds a page is left alone: a later write filled it (a forget can come late, queued
+        behind that write)."""
         g = self._group(group)
         sl, _ = self._check_slots(g, slots)
         if not len(sl):
             return
         with g.lock:
             g.reserve(int(sl.max()) + 1)
-            if g.live[sl].any():
-                raise UsageError(f"slot {int(sl[g.live[sl]][0])} of disk group {g.index} holds a page; "
-                                 "only an empty slot can be forgotten")
-            self._discard(g, sl, reason, live=False)
+            self._discard(g, sl[~g.live[sl]], reason, live=False)
 
     def free(self, group: int, slots: Iterable[int]) -> None:
         """Forget the pages in ``slots``. Free records are needed only for pages the journal names;
