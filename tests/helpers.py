@@ -123,6 +123,16 @@ async def fill(store, tokens, n_blocks=None, priority=None):
     return seq
 
 
+async def fill_and_hold_writer(store, bases, n_blocks=4) -> threading.Event:
+    """Fill ``bases`` (``n_blocks`` each), then hold the disk write thread with a job that
+    waits for the returned gate (the caller sets it, in a ``finally``)."""
+    for base in bases:
+        await fill(store, toks(base, n_blocks))
+    gate = threading.Event()
+    store.engine.io_write.submit(gate.wait)
+    return gate
+
+
 async def prefill_keys(store, keys) -> int:
     """One metadata-only request on block keys (no page content), as the
     benchmark replays a trace; returns its matched blocks."""

@@ -10,7 +10,7 @@ import torch
 
 from runtime import OutOfPagesError, Store, StoreClosedError, migration
 
-from helpers import DEVICE, config, expected_block, fill, half_inline_layers, read_block, toks
+from helpers import DEVICE, config, expected_block, fill, fill_and_hold_writer, half_inline_layers, read_block, toks
 
 pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="gates the emulated streams' worker threads")
 
@@ -340,3 +340,48 @@ async def test_a_move_cancelled_while_its_copy_is_queued_hands_its_slots_on_only
         await a.close()
         await store.drain()
         store.check_consistency()
+
+
+async def test_a_drain_cancelled_while_writes_behind_are_queued_leaves_them_to_finish(tmp_path):
+    """Spills written behind land at once; a drain waits for their writes, and cancelling it
+    cancels only the wait: the writes finish, and a restart finds every page."""
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        gate = await fill_and_hold_writer(store, range(1, 3))
+        try:
+            await asyncio.wait_for(fill(store, toks(3, 4)), 5)      # landed; its write queued
+            assert store.engine.behind
+            drain = asyncio.ensure_future(store.drain())
+            await asyncio.sleep(0.02)
+            assert not drain.done()
+            drain.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await drain
+            assert store.engine.behind                              # the write is still queued
+        finally:
+            gate.set()
+        await asyncio.wait_for(store.drain(), 10)
+        assert not store.engine.behind and store.engine.behind_bytes == 0
+        store.check_consistency()
+        await _check_all(store, range(1, 4))
+    async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
+        assert store.stats()["recovered_pages"] == 12
+        await _check_all(store, range(1, 4))
+
+
+async def test_a_close_cancelled_while_writes_behind_are_queued_still_persists_every_page(tmp_path):
+    store = await Store.open(config(gpu=8, host=8, disk=64, disk_dir=tmp_path))
+    gate = await fill_and_hold_writer(store, range(1, 8))
+    try:
+        await asyncio.wait_for(fill(store, toks(8, 4)), 5)
+        assert store.engine.behind
+        closing = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0.05)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+    finally:
+        gate.set()
+    await asyncio.wait_for(store.close(), 20)
+    async with Store.open(config(gpu=8, host=8, disk=64, disk_dir=tmp_path)) as again:
+        assert again.stats()["recovered_pages"] == 32
+        await _check_all(again, range(1, 9))

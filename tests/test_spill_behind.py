@@ -17,7 +17,7 @@ from runtime import Store, TierIOError, migration
 from runtime.stats import MoveStats
 from tiers.streams import HostEvent
 
-from helpers import config, expected_block, fill, read_block, toks, write_blocks
+from helpers import config, expected_block, fill, fill_and_hold_writer, read_block, toks, write_blocks
 
 
 async def _read_all(store, base, n=4):
@@ -127,11 +127,7 @@ async def test_a_failed_write_behind_loses_only_its_pages(tmp_path, err, full):
 async def _spill_failing_behind_a_held_writer(store) -> threading.Event:
     """Bases 1 and 2 committed, then base 1 spilled to the disk behind a held write thread, its
     write set to fail; returns the gate that lets the thread go (the caller sets it)."""
-    for base in range(1, 3):
-        await fill(store, toks(base, 4))
-    await store.drain()
-    gate = threading.Event()
-    store.engine.io_write.submit(gate.wait)
+    gate = await fill_and_hold_writer(store, range(1, 3))
     store.disk.inject_fault("write", errno.EIO)
     await fill(store, toks(3, 4))
     return gate
@@ -186,13 +182,10 @@ async def test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails(t
 
 async def test_a_spill_above_the_limit_waits_for_its_write(tmp_path, monkeypatch):
     """Spills above BEHIND_BYTES are not written behind (their gather would hold the loop); nor
-    are pages the store may not lose (Core.droppable: the differential tests cover it)."""
+    are pages the store may not lose (test_uncommitted_pages_are_not_written_behind...)."""
     monkeypatch.setattr(migration, "BEHIND_BYTES", 4 * 512 - 1)     # under one spill of 4 pages
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
-        for base in range(1, 3):
-            await fill(store, toks(base, 4))
-        gate = threading.Event()
-        store.engine.io_write.submit(gate.wait)
+        gate = await fill_and_hold_writer(store, range(1, 3))
         try:
             more = asyncio.ensure_future(fill(store, toks(3, 4)))
             await asyncio.sleep(0.05)
