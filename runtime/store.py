@@ -151,9 +151,8 @@ class Store:
         self.corrupt_pages = 0             # pages a read found damaged: dropped, their blocks recomputed
         self.disk_full_events = 0          # spills the full filesystem refused ...
         self.disk_full_dropped = 0         # ... and the evicted pages dropped instead
-        self._disk_full_logged = float("-inf")
         self.behind_failures = 0           # spills written behind whose write failed (not a full disk)
-        self._behind_failure_logged = float("-inf")
+        self._said: dict[str, float] = {}  # warning kind -> when it was last logged (_once_a_minute)
         self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
         self.remote = RemoteLink(self, cfg.remote) if cfg.remote is not None else None
         self.write_through = WriteThrough(self, cfg.disk) \
@@ -975,19 +974,23 @@ class Store:
             self._disk_full(exc, len(batch))
             return
         self.behind_failures += 1
-        now = asyncio.get_running_loop().time()
-        if now - self._behind_failure_logged >= 60.0:       # once a minute at most, as a full disk
-            self._behind_failure_logged = now
+        if self._once_a_minute("write behind failed"):
             log.warning("a disk write of %d spilled page(s) failed after they landed: %r; they are dropped "
                         "(%d such write(s) so far)", len(batch), exc, self.behind_failures)
+
+    def _once_a_minute(self, kind: str) -> bool:
+        """Whether a warning of ``kind`` may be logged now (at most once a minute each)."""
+        now = self._loop.time()
+        if now - self._said.get(kind, float("-inf")) < 60.0:
+            return False
+        self._said[kind] = now
+        return True
 
     def _disk_full(self, exc: DiskFullError, dropped: int) -> None:
         """Count a spill the full filesystem refused, and say so (once a minute at most)."""
         self.disk_full_events += 1
         self.disk_full_dropped += dropped
-        now = asyncio.get_running_loop().time()
-        if now - self._disk_full_logged >= 60.0:
-            self._disk_full_logged = now
+        if self._once_a_minute("disk full"):
             log.warning("disk tier is full (%s): evicted pages are dropped instead of spilled until it has "
                         "room again; %d spill(s) refused so far", exc, self.disk_full_events)
 

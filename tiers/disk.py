@@ -274,6 +274,15 @@ def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) ->
     return total
 
 
+def _corrupt(g: "_Group", slots: list[int], what: str) -> CorruptPageError:
+    """The error naming pages of group ``g`` that cannot be served (``.slots``, ``.group``)."""
+    slots = sorted(slots)
+    err = CorruptPageError(f"disk group {g.index}: {len(slots)} {what} page(s): {slots[:16]}")
+    err.slots = slots
+    err.group = g.index
+    return err
+
+
 def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
     _vectored(os.pwritev, fd, bufs, offset, short_ok=False)
 
@@ -1092,11 +1101,7 @@ class DiskTier:
         if len(missing):
             gone = missing[g.forgotten[missing]]
             if len(gone) == len(missing):
-                err = CorruptPageError(f"disk group {g.index}: {len(gone)} discarded page(s): "
-                                       f"{gone[:16].tolist()}")
-                err.slots = sorted(gone.tolist())
-                err.group = g.index
-                raise err
+                raise _corrupt(g, gone.tolist(), "discarded")
             raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
 
     @staticmethod
@@ -1800,11 +1805,7 @@ class DiskTier:
         if bad:
             self._discard(g, bad, "checksum mismatch")
         if short or bad:
-            err = CorruptPageError(f"disk group {g.index}: {len(short) + len(bad)} bad page(s): "
-                                   f"{sorted(short + bad)[:16]}")
-            err.slots = sorted(short + bad)
-            err.group = g.index
-            raise err
+            raise _corrupt(g, short + bad, "bad")
 
     def verify_all(self, batch: int = 64) -> list[tuple[int, int, str]]:
         """Read and checksum every live page; discard the bad ones. Returns what it discarded."""
