@@ -57,29 +57,46 @@ def test_ready_slots_come_before_fenced_ones_and_fences_are_kept():
     assert c.allocate(G, 0, 2) == [a[1], a[0]] and c.slot_fences(G, 0, [a[0], a[1]]) == [7]
 
 
-def test_memory_tiers_reuse_the_slot_freed_last_and_the_disk_the_slot_free_longest():
-    """A GPU or host slot just freed is likely still cached: it goes next. A disk slot's free
-    is journaled by the tier's next commit, and a write over a slot whose free is not must
-    journal and sync it first: the slot free longest goes next."""
+def test_memory_tiers_reuse_the_slot_freed_last():
+    """A GPU or host slot just freed is likely still cached: it goes next."""
     from runtime.core.model import ModelCore
-    gpu, host, disk = 0, 1, 2       # the core's tier numbers
+    gpu, host = 0, 1        # the core's tier numbers
     for make in (Core, ModelCore):
         c = make(4, [(False, 0, 0, 0)], [[0], [0], [0]], [[6], [6], [6]])
-        assert c.allocate(disk, 0, 3) == [0, 1, 2]          # fresh: lowest first in both orders
-        for tier in (gpu, host, disk):
-            got = c.allocate(tier, 0, 6 if tier != disk else 3)
+        for tier in (gpu, host):
+            got = c.allocate(tier, 0, 6)
             c.release_slots(tier, 0, [got[1]], 0)
             c.release_slots(tier, 0, [got[0]], 0)
-        assert c.allocate(gpu, 0, 2) == [0, 1] and c.allocate(host, 0, 2) == [0, 1]
-        assert c.allocate(disk, 0, 2) == [4, 3]             # freed first, then second
+            assert c.allocate(tier, 0, 2) == [0, 1]
 
 
-def test_a_disk_segment_stays_within_the_live_pages_plus_the_queue_window_under_churn():
-    """The disk's queue is topped up from the never-used slots (lowest first) only to its
-    window of 1024: under churn the pages stay in low slots, and the segment (preallocated
-    to the highest slot written, never shrunk) does not walk the whole quota (it did, found in
-    review: 29 MB against 4). A freed slot still waits behind the window before its reuse."""
-    from runtime.core.model import QUEUE_WINDOW, ModelCore
+def test_the_disk_sweeps_free_slots_in_address_order_from_a_cursor():
+    """A spill's pages land in runs of adjacent slots (one pwritev, one device write each):
+    free disk slots go out in address order from where the last allocation stopped, not in
+    the order they were freed (which scattered a spill's pages over the whole file). A first
+    pass skips the slots freed lately (their free may not be journaled yet: a write over one
+    would append and sync it first); a second takes them when the rest falls short."""
+    from runtime.core.model import ModelCore
+    disk = 2
+    for make in (Core, ModelCore):
+        c = make(4, [(False, 0, 0, 0)], [[0], [0], [0]], [[4], [4], [64]])
+        assert c.allocate(disk, 0, 64) == list(range(64))       # the cursor wraps to 0
+        for s in (50, 20, 21, 5, 51):
+            c.release_slots(disk, 0, [s], 0)
+        # 5 free: the last 2 freed (5, 51) wait for a second pass
+        assert c.allocate(disk, 0, 2) == [20, 21]
+        assert c.allocate(disk, 0, 2) == [50, 5]                 # on from 22, wrapping; 51 still skipped
+        assert c.allocate(disk, 0, 1) == [51]                    # the second pass
+        assert c.allocate(disk, 0, 1) is None
+
+
+def test_a_disk_segment_stays_within_the_live_pages_plus_the_window_under_churn():
+    """The sweep takes never-used slots (growing the extent) only while fewer than an eighth
+    of the extent, and fewer than WINDOW slots, are free: under churn the pages stay in low
+    slots, and the segment (preallocated to the highest slot written, never shrunk) does not
+    walk the whole quota (it did, found in review: 29 MB against 4). A freed slot is not taken
+    again before WINDOW more frees."""
+    from runtime.core.model import WINDOW, ModelCore
     disk = 2
     for make in (Core, ModelCore):
         c = make(4, [(False, 0, 0, 0)], [[0], [0], [0]], [[4], [4], [1 << 16]])
@@ -93,8 +110,8 @@ def test_a_disk_segment_stays_within_the_live_pages_plus_the_queue_window_under_
             live.append(got)
             if first_reuse is None and got < 8:
                 first_reuse = i
-        assert max(live) < 8 + QUEUE_WINDOW, max(live)
-        assert first_reuse >= QUEUE_WINDOW - 8, first_reuse
+        assert max(live) < 8 + WINDOW, max(live)
+        assert first_reuse >= WINDOW - 8, first_reuse
 
 
 # -- slab pools ----------------------------------------------------------------------------

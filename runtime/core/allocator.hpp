@@ -1,14 +1,27 @@
-// Slot allocation for one (tier, pool group): all-or-nothing, ready slots first.
+// Slot allocation for one (tier, pool group): all-or-nothing.
 //
 // Memory tiers: a stack, the last freed first (a slot just freed is likely
-// still in a cache), then the slots never handed out, lowest first. The
-// disk: a queue, the longest free first. A disk slot's free is journaled by
-// the tier's next group commit, and a write over a slot whose free is not
-// yet journaled must append and sync that free first; taking the slot free
-// longest makes that rare. The queue holds kQueueWindow slots while
-// never-used ones remain (topped up lowest first), so a freed slot waits
-// behind that many others, and the segment, which grows to the highest slot
-// written and never shrinks, stays within the live pages plus the window.
+// still in a cache), then the slots never handed out, lowest first, then the
+// fenced ones, oldest first.
+//
+// The disk: a sweep. Free slots go out in address order from a cursor that
+// moves forward and wraps, so that one spill's pages land in a few runs of
+// adjacent slots: one pwritev and one sequential device write each, where
+// slots taken in the order they were freed (a queue, until session 16) made
+// runs of 15 pages scattered over the whole file, and the three-tier replay
+// wrote at the device's random-write speed. In a full disk the pages evicted
+// (least recently used) are mostly those spilled one lap earlier, just ahead
+// of the cursor.
+//   A disk slot's free is journaled by the tier's next group commit, and a
+// write over a slot whose free is not yet journaled must append and sync that
+// free first. So a first pass skips the slots freed within the last `window`
+// frees (half the free slots, at most kWindow: what a queue kept ahead of
+// them); a second pass takes those when the rest falls short.
+//   The sweep covers the extent, the slots below the highest one handed out
+// since the pool was built or recovered. Past its end the sweep wraps to
+// slot 0 while an eighth of the extent is free, else grows the extent with
+// never-used slots: the segment, preallocated to the highest slot written
+// and never shrunk, stays within the live pages plus an eighth (and kWindow).
 //
 // A freed slot keeps the fence (event id) of the last copy that touched it;
 // its next owner waits on that event before writing. Event ids are the
@@ -19,6 +32,7 @@
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <stdexcept>
 #include <string>
@@ -28,33 +42,39 @@ namespace kvtier {
 
 class SlotAllocator {
  public:
-  static constexpr size_t kQueueWindow = 1024;     // two 512-page spill batches
+  static constexpr uint32_t kWindow = 1024;     // two 512-page spill batches
 
-  explicit SlotAllocator(int32_t capacity = 0, bool queue = false)
-      : capacity_(capacity), queue_(queue), is_free_(capacity, 1), fence_(capacity, 0) {
+  explicit SlotAllocator(int32_t capacity = 0, bool sweep = false)
+      : capacity_(capacity), sweep_(sweep), is_free_(capacity, 1), fence_(capacity, 0) {
+    if (sweep_) {
+      freed_at_.assign(capacity, 0);
+      n_free_ = capacity;
+      return;
+    }
     fresh_.reserve(capacity);
     for (int32_t s = capacity - 1; s >= 0; --s) fresh_.push_back(s);     // slot 0 goes first
-    top_up();
   }
 
-  bool queue_order() const { return queue_; }
+  bool sweep_order() const { return sweep_; }
 
   int32_t capacity() const { return capacity_; }
-  int32_t free() const { return int32_t(ready_.size() + fresh_.size() + fenced_.size()); }
+  int32_t free() const { return sweep_ ? n_free_ : int32_t(ready_.size() + fresh_.size() + fenced_.size()); }
   int32_t used() const { return capacity_ - free(); }
   bool is_free(int32_t s) const { return is_free_[s] != 0; }
   int32_t fence(int32_t s) const { return fence_[s]; }
 
-  // `n` slots appended to `out` (ready ones in the allocator's order, then
-  // never-used ones lowest first, then the oldest fenced), or false with
-  // nothing taken if fewer are free.
+  // `n` slots appended to `out` (see the order above), or false with nothing
+  // taken if fewer are free.
   bool allocate(int32_t n, std::vector<int32_t>& out) {
     if (n < 0 || n > free()) return false;
+    if (sweep_) {
+      sweep(n, out);
+      return true;
+    }
     for (int32_t i = 0; i < n; ++i) {
-      top_up();
       if (!ready_.empty()) {
-        out.push_back(queue_ ? ready_.front() : ready_.back());
-        if (queue_) ready_.pop_front(); else ready_.pop_back();
+        out.push_back(ready_.back());
+        ready_.pop_back();
       } else if (!fresh_.empty()) {
         out.push_back(fresh_.back());
         fresh_.pop_back();
@@ -78,8 +98,11 @@ class SlotAllocator {
     }
     for (size_t i = 0; i < n; ++i) {
       fence_[slots[i]] = fence;
-      if (fence == 0) ready_.push_back(slots[i]); else fenced_.push_back(slots[i]);
+      if (sweep_) freed_at_[slots[i]] = ++frees_;
+      else if (fence == 0) ready_.push_back(slots[i]);
+      else fenced_.push_back(slots[i]);
     }
+    if (sweep_) n_free_ += int32_t(n);
   }
 
   // An allocated slot handed to a new owner by the copy (or drop) that read
@@ -93,27 +116,68 @@ class SlotAllocator {
   // never used: its next owner still waits on the copy before).
   void give_back(int32_t s) { release(&s, 1, fence_[s]); }
 
-  // Recovery: take exactly the slots not in `keep` out of the free pool order
-  // so that the lowest free slots go first. `keep[s]` != 0: in use.
+  // Recovery: exactly the slots with `keep[s]` != 0 are in use; the lowest
+  // free slots go first.
   void reset_used(const std::vector<uint8_t>& keep) {
     ready_.clear();
     fenced_.clear();
     fresh_.clear();
+    n_free_ = 0;
+    extent_ = 0;
     for (int32_t s = capacity_ - 1; s >= 0; --s) {
       is_free_[s] = keep[s] ? 0 : 1;
       fence_[s] = 0;
-      if (!keep[s]) fresh_.push_back(s);
+      if (keep[s] && extent_ == 0) extent_ = s + 1;
+      if (keep[s]) continue;
+      ++n_free_;
+      if (sweep_) freed_at_[s] = frees_ - kWindow;          // free long since
+      else fresh_.push_back(s);
     }
-    top_up();
+    cursor_ = 0;
   }
 
  private:
-  // The queue: at least kQueueWindow ready while never-used slots remain.
-  void top_up() {
-    while (queue_ && ready_.size() < kQueueWindow && !fresh_.empty()) {
-      ready_.push_back(fresh_.back());
-      fresh_.pop_back();
+  // The disk's order (see the top). Precondition: n <= n_free_.
+  void sweep(int32_t n, std::vector<int32_t>& out) {
+    const uint32_t window = std::min<uint32_t>(kWindow, uint32_t(n_free_) / 2);
+    const int32_t start = cursor_;
+    const bool wrap_first = n_free_ - (capacity_ - extent_) >= std::max<int32_t>(kWindow, extent_ / 8);
+    int32_t need = n;
+    need = take(start, extent_, need, window, out);        // 1. settled slots, from the cursor on
+    if (wrap_first) {
+      need = take(0, start, need, window, out);
+      need = take(extent_, capacity_, need, 0, out);
+    } else {
+      need = take(extent_, capacity_, need, 0, out);         // never used: settled
+      need = take(0, start, need, window, out);
     }
+    const int32_t again = cursor_;                            // 2. any free slot, in the same order
+    need = take(again, extent_, need, 0, out);
+    need = take(0, again, need, 0, out);
+    assert(need == 0);
+    n_free_ -= n;
+  }
+
+  // Free slots of [lo, hi) in order, those freed at least `window` frees ago
+  // (0: all), up to `need` of them: taken, appended, the cursor after the
+  // last and the extent over it. Returns how many are still needed.
+  int32_t take(int32_t lo, int32_t hi, int32_t need, uint32_t window, std::vector<int32_t>& out) {
+    const uint8_t* base = is_free_.data();
+    int32_t s = lo;
+    while (need > 0 && s < hi) {
+      const void* hit = std::memchr(base + s, 1, size_t(hi - s));
+      if (hit == nullptr) break;
+      s = int32_t(static_cast<const uint8_t*>(hit) - base);
+      if (window == 0 || uint32_t(frees_ - freed_at_[s]) >= window) {
+        is_free_[s] = 0;
+        out.push_back(s);
+        --need;
+        cursor_ = s + 1 < capacity_ ? s + 1 : 0;
+        extent_ = std::max(extent_, s + 1);
+      }
+      ++s;
+    }
+    return need;
   }
 
   [[noreturn]] void bad(int32_t s, const int32_t* slots, size_t upto) {
@@ -122,14 +186,23 @@ class SlotAllocator {
   }
 
   int32_t capacity_;
-  bool queue_;                        // ready_ order: true, a queue (front next); false, a stack (back next)
-  // Invariant: every slot is in exactly one of ready_, fresh_, fenced_ or in
-  // use; is_free_[s] == 1 exactly for the first three.
-  std::deque<int32_t> ready_;         // fence passed or none; freed slots join at the back
-  std::vector<int32_t> fresh_;        // never handed out (nor queued) since built or recovered: descending
-  std::deque<int32_t> fenced_;        // FIFO: fenced by a copy that may still run
+  bool sweep_;                        // the disk's order (a sweep) rather than a stack
+  // Invariant: is_free_[s] == 1 exactly for the free slots. A stack keeps each
+  // free slot in exactly one of ready_, fresh_ and fenced_; a sweep keeps
+  // n_free_ == their count, and every slot at or past extent_ free.
   std::vector<uint8_t> is_free_;
   std::vector<int32_t> fence_;        // per slot: the event its next owner waits on (0: none)
+  // a stack's
+  std::vector<int32_t> ready_;        // fence passed or none; the last freed at the back, next out
+  std::vector<int32_t> fresh_;        // never handed out since built or recovered: descending
+  std::deque<int32_t> fenced_;        // FIFO: fenced by a copy that may still run
+  // a sweep's
+  std::vector<uint32_t> freed_at_;    // per slot: frees_ when it was freed (wraps after 2^32 frees:
+                                      // a slot then looks freed lately, and goes in the second pass)
+  uint32_t frees_ = kWindow;          // slots freed so far (from kWindow: a never-used slot is settled)
+  int32_t n_free_ = 0;
+  int32_t cursor_ = 0;                // where the next sweep starts
+  int32_t extent_ = 0;                // 1 + the highest slot handed out since built or recovered
 };
 
 }  // namespace kvtier

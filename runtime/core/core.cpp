@@ -36,7 +36,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
     owners_.emplace_back();
     for (size_t g = 0; g < capacity[t].size(); ++g) {
       require(capacity[t][g] >= 0, "a capacity must not be negative");
-      allocs_[t].emplace_back(capacity[t][g], t == DISK);    // disk: longest free first (allocator.hpp)
+      allocs_[t].emplace_back(capacity[t][g], t == DISK);    // disk: a sweep (allocator.hpp)
       queues_[t].emplace_back(int8_t(t), uint8_t(g));
       owners_[t].emplace_back(size_t(capacity[t][g]), -1);
       total_slots += size_t(capacity[t][g]);
@@ -1094,7 +1094,11 @@ Settled Core::drop_victims(int tier, const Ids& victims) {
 
 std::vector<BatchSpec> Core::split_batches(const Ids& pages, int dst_tier) const {
   Ids order(pages);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].slot < pt_[b].slot; });
+  // By source slot (runs of adjacent slots copy as one), except into the disk: there the
+  // caller's order (victims, least recently used first) meets the ascending destination slots
+  // of the sweep (allocator.hpp), so later evictions, in the same order, free runs of them.
+  if (dst_tier != DISK)
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].slot < pt_[b].slot; });
   std::vector<BatchSpec> out;
   for (int32_t id : order) {
     const Page& p = pt_[id];

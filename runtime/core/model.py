@@ -52,7 +52,7 @@ from tiers.layers import LifeCycle as _LayerLifeCycle
 from tiers.policy import ReusePolicy
 
 GPU, HOST, DISK = 0, 1, 2
-QUEUE_WINDOW = 1024      # the disk allocator's queue while never-used slots remain (allocator.hpp)
+WINDOW = 1024            # the disk sweep's first pass skips slots freed within this many frees, at most (allocator.hpp)
 TIERS = 3
 PRIORITIES = 101                      # 0..100
 REQUIRED, SINK_REQUIRED_ONLY, OPTIONAL, PRIVATE = 0, 1, 2, 3
@@ -202,39 +202,44 @@ class LifeCycle:
 # -- slot allocation ----------------------------------------------------------------------------
 
 class SlotAllocator:
-    """One (tier, pool group): all-or-nothing, ready slots first.
+    """One (tier, pool group): all-or-nothing.
 
     A freed slot keeps the fence (event id, 0: none) of the last copy that
-    touched it. ``ready`` holds the slots freed without a fence, taken from
-    its end (a stack) or, with ``queue`` (the disk), from its start: the slot
-    free longest goes first, so its free is likely journaled already. Then
-    ``fresh``, the slots never handed out since the pool was built (or
-    recovered), lowest first; a queue is topped up from it to QUEUE_WINDOW
-    slots, so a freed slot waits behind that many and a disk segment stays
-    within the live pages plus the window (see allocator.hpp). ``fenced`` is
-    a FIFO of fenced ones, taken only when both run out (the core cannot ask
-    an event whether it passed: no refresh). Allocation leaves a slot's fence
-    in place: its new owner waits on it."""
+    touched it; allocation leaves it in place: its new owner waits on it.
 
-    __slots__ = ("capacity", "queue", "ready", "fresh", "fenced", "free_mark", "fence")
+    Memory tiers (a stack): ``ready``, the slots freed without a fence, the
+    last freed first; then ``fresh``, the slots never handed out since the
+    pool was built (or recovered), lowest first; then ``fenced``, oldest
+    first (the core cannot ask an event whether it passed: no refresh).
 
-    def __init__(self, capacity: int, queue: bool = False) -> None:
+    The disk (``sweep``): free slots in address order from ``cursor``,
+    wrapping, so that a spill's pages land in runs of adjacent slots. A
+    first pass skips slots freed within the last ``window`` frees (half the
+    free slots, at most WINDOW), whose free may not be journaled yet; a
+    second takes them if the rest falls short. Past the extent (1 + the
+    highest slot handed out) the sweep wraps to slot 0 while an eighth of
+    the extent is free, else grows it. See allocator.hpp."""
+
+    __slots__ = ("capacity", "sweep", "ready", "fresh", "fenced", "free_mark", "fence", "freed_at", "frees",
+                 "n_free", "cursor", "extent")
+
+    def __init__(self, capacity: int, sweep: bool = False) -> None:
         self.capacity = capacity
-        self.queue = queue
-        self.ready: deque[int] = deque()
-        self.fresh = list(range(capacity - 1, -1, -1))      # slot 0 next (at the end)
+        self.sweep = sweep
+        self.ready: list[int] = []
+        self.fresh = [] if sweep else list(range(capacity - 1, -1, -1))     # slot 0 next (at the end)
         self.fenced: deque[int] = deque()
         self.free_mark = bytearray(b"\x01" * capacity)
         self.fence = [0] * capacity
-        self._top_up()
-
-    def _top_up(self) -> None:
-        while self.queue and len(self.ready) < QUEUE_WINDOW and self.fresh:
-            self.ready.append(self.fresh.pop())
+        self.freed_at = [0] * capacity if sweep else []
+        self.frees = WINDOW             # from WINDOW: a never-used slot counts as freed long since
+        self.n_free = capacity
+        self.cursor = 0
+        self.extent = 0
 
     @property
     def free(self) -> int:
-        return len(self.ready) + len(self.fresh) + len(self.fenced)
+        return self.n_free if self.sweep else len(self.ready) + len(self.fresh) + len(self.fenced)
 
     @property
     def used(self) -> int:
@@ -246,14 +251,47 @@ class SlotAllocator:
     def allocate(self, n: int) -> list[int] | None:
         if n < 0 or n > self.free:
             return None
-        take = self.ready.popleft if self.queue else self.ready.pop
-        out = []
+        out: list[int] = []
+        if self.sweep:
+            self._sweep(n, out)
+            return out
         for _ in range(n):
-            self._top_up()
-            s = take() if self.ready else self.fresh.pop() if self.fresh else self.fenced.popleft()
+            s = self.ready.pop() if self.ready else self.fresh.pop() if self.fresh else self.fenced.popleft()
             self.free_mark[s] = 0
             out.append(s)
         return out
+
+    def _sweep(self, n: int, out: list[int]) -> None:
+        window = min(WINDOW, self.n_free // 2)
+        start = self.cursor
+        wrap_first = self.n_free - (self.capacity - self.extent) >= max(WINDOW, self.extent // 8)
+        need = self._take(start, self.extent, n, window, out)
+        if wrap_first:
+            need = self._take(0, start, need, window, out)
+            need = self._take(self.extent, self.capacity, need, 0, out)
+        else:
+            need = self._take(self.extent, self.capacity, need, 0, out)
+            need = self._take(0, start, need, window, out)
+        again = self.cursor
+        need = self._take(again, self.extent, need, 0, out)
+        need = self._take(0, again, need, 0, out)
+        assert need == 0
+        self.n_free -= n
+
+    def _take(self, lo: int, hi: int, need: int, window: int, out: list[int]) -> int:
+        s = lo
+        while need > 0 and s < hi:
+            s = self.free_mark.find(1, s, hi)
+            if s < 0:
+                break
+            if window == 0 or (self.frees - self.freed_at[s]) % (1 << 32) >= window:
+                self.free_mark[s] = 0
+                out.append(s)
+                need -= 1
+                self.cursor = s + 1 if s + 1 < self.capacity else 0
+                self.extent = max(self.extent, s + 1)
+            s += 1
+        return need
 
     def release(self, slots: list[int], fence: int) -> None:
         """Nothing changes if a slot is out of range, already free or repeated."""
@@ -267,21 +305,35 @@ class SlotAllocator:
             marked.append(s)
         for s in slots:
             self.fence[s] = fence
-            (self.ready if fence == 0 else self.fenced).append(s)
+            if self.sweep:
+                self.frees = (self.frees + 1) % (1 << 32)
+                self.freed_at[s] = self.frees
+            else:
+                (self.ready if fence == 0 else self.fenced).append(s)
+        if self.sweep:
+            self.n_free += len(slots)
 
     def give_back(self, s: int) -> None:
         """A slot taken and never used goes back with the fence it carries."""
         self.release([s], self.fence[s])
 
     def reset_used(self, keep: bytearray) -> None:
-        """Recovery: exactly the slots in ``keep`` are in use; the lowest free slot goes first."""
-        self.ready = deque()
+        """Recovery: exactly the slots in ``keep`` are in use; the lowest free slots go first."""
+        self.ready = []
         self.fenced = deque()
+        self.n_free = 0
+        self.extent = 0
+        self.cursor = 0
         for s in range(self.capacity):
             self.free_mark[s] = 0 if keep[s] else 1
             self.fence[s] = 0
-        self.fresh = [s for s in range(self.capacity - 1, -1, -1) if not keep[s]]
-        self._top_up()
+            if keep[s]:
+                self.extent = s + 1
+            else:
+                self.n_free += 1
+                if self.sweep:
+                    self.freed_at[s] = (self.frees - WINDOW) % (1 << 32)
+        self.fresh = [] if self.sweep else [s for s in range(self.capacity - 1, -1, -1) if not keep[s]]
 
 
 # -- records -------------------------------------------------------------------------------------
@@ -477,7 +529,7 @@ class ModelCore:
             self.owners.append([])
             for cap in capacity[t]:
                 _require(cap >= 0, "a capacity must not be negative")
-                self.allocs[t].append(SlotAllocator(cap, queue=t == DISK))
+                self.allocs[t].append(SlotAllocator(cap, sweep=t == DISK))
                 self.queues[t].append(LruQueue(self.pt))
                 self.owners[t].append([-1] * cap)
             if capacity[t]:
@@ -1494,9 +1546,11 @@ class ModelCore:
 
     def split_batches(self, pages: Pages, dst_tier: int) -> list[tuple]:
         """One batch per (source tier, source group, destination group), in
-        order of first appearance, each sorted by source slot."""
+        order of first appearance, each sorted by source slot; into the disk,
+        in the order given (see core.cpp)."""
         batches: dict[tuple[int, int, int], list[int]] = {}
-        for pid in sorted(_page_ids(pages), key=lambda i: self.pt[i].slot):
+        ids = _page_ids(pages)
+        for pid in (ids if dst_tier == DISK else sorted(ids, key=lambda i: self.pt[i].slot)):
             p = self.pt[pid]
             batches.setdefault((p.tier, p.group, self.group_of[dst_tier][p.lc]), []).append(pid)
         return [(t, g, d, Pages(ids)) for (t, g, d), ids in batches.items()]
