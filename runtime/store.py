@@ -227,9 +227,9 @@ class Store:
         a tier's reserve is its share of its slots, but of no more than a third of the store's
         (spread over its groups by their size). The last tier keeps none (dropping early would
         only lose hits), unless it is the disk: it keeps two spill batches free, refilled by
-        one step, where that is at most DISK_SHARE of the disk. Its allocator hands out the
-        slot free longest, so the slots a spill takes had their frees journaled by an earlier
-        commit; on a full disk without it, most spills first appended and synced the frees of
+        one step, where that is at most DISK_SHARE of the disk. Its allocator skips the slots
+        freed lately (allocator.hpp), so the slots a spill takes had their frees journaled by an
+        earlier commit; on a full disk without it, most spills first appended and synced the frees of
         the pages they overwrote (DiskTier.write, step 1). A disk too small for that share
         keeps none: the hits it would cost outweigh the syncs. Elsewhere the step is at least
         the reserve."""
