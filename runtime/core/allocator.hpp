@@ -16,7 +16,9 @@
 // write over a slot whose free is not yet journaled must append and sync that
 // free first. So a first pass skips the slots freed within the last `window`
 // frees (half the free slots, at most kWindow: what a queue kept ahead of
-// them); a second pass takes those when the rest falls short.
+// them); when the rest falls short, the slots it skipped go, in its order.
+// A scan skips blocks of kBlock slots with none free, so a sweep costs the
+// free slots it passes plus capacity / kBlock.
 //   The sweep covers the extent, the slots below the highest one handed out
 // since the pool was built or recovered. Past its end the sweep wraps to
 // slot 0 while an eighth of the extent is free, else grows the extent with
@@ -43,11 +45,14 @@ namespace kvtier {
 class SlotAllocator {
  public:
   static constexpr uint32_t kWindow = 1024;     // two 512-page spill batches
+  static constexpr int32_t kBlock = 4096;       // the sweep counts free slots per block of this many
 
   explicit SlotAllocator(int32_t capacity = 0, bool sweep = false)
       : capacity_(capacity), sweep_(sweep), is_free_(capacity, 1), fence_(capacity, 0) {
     if (sweep_) {
       freed_at_.assign(capacity, 0);
+      block_free_.assign(size_t(capacity / kBlock) + 1, 0);
+      for (int32_t b = 0; b * kBlock < capacity; ++b) block_free_[size_t(b)] = std::min(kBlock, capacity - b * kBlock);
       n_free_ = capacity;
       return;
     }
@@ -98,8 +103,10 @@ class SlotAllocator {
     }
     for (size_t i = 0; i < n; ++i) {
       fence_[slots[i]] = fence;
-      if (sweep_) freed_at_[slots[i]] = ++frees_;
-      else if (fence == 0) ready_.push_back(slots[i]);
+      if (sweep_) {
+        freed_at_[slots[i]] = ++frees_;
+        ++block_free_[size_t(slots[i] / kBlock)];
+      } else if (fence == 0) ready_.push_back(slots[i]);
       else fenced_.push_back(slots[i]);
     }
     if (sweep_) n_free_ += int32_t(n);
@@ -116,6 +123,23 @@ class SlotAllocator {
   // never used: its next owner still waits on the copy before).
   void give_back(int32_t s) { release(&s, 1, fence_[s]); }
 
+  // The invariants below, checked in full (Core::check): "" or what is broken.
+  std::string check() const {
+    int32_t n = 0;
+    for (int32_t s = 0; s < capacity_; ++s) n += is_free_[s];
+    if (n != free()) return "the free slots differ from the free count";
+    if (!sweep_) return "";
+    if (cursor_ < 0 || cursor_ > std::max(extent_, 0) || extent_ > capacity_) return "the cursor or extent is out of range";
+    for (int32_t s = extent_; s < capacity_; ++s)
+      if (!is_free_[s]) return "a slot past the extent is in use";
+    for (size_t b = 0; b < block_free_.size(); ++b) {
+      int32_t lo = int32_t(b) * kBlock, hi = std::min(capacity_, lo + kBlock), k = 0;
+      for (int32_t s = lo; s < hi; ++s) k += is_free_[s];
+      if (k != block_free_[b]) return "a block's free count is wrong";
+    }
+    return "";
+  }
+
   // Recovery: exactly the slots with `keep[s]` != 0 are in use; the lowest
   // free slots go first.
   void reset_used(const std::vector<uint8_t>& keep) {
@@ -124,13 +148,17 @@ class SlotAllocator {
     fresh_.clear();
     n_free_ = 0;
     extent_ = 0;
+    std::fill(block_free_.begin(), block_free_.end(), 0);
     for (int32_t s = capacity_ - 1; s >= 0; --s) {
       is_free_[s] = keep[s] ? 0 : 1;
       fence_[s] = 0;
       if (keep[s] && extent_ == 0) extent_ = s + 1;
       if (keep[s]) continue;
       ++n_free_;
-      if (sweep_) freed_at_[s] = frees_ - kWindow;          // free long since
+      if (sweep_) {
+        freed_at_[s] = frees_ - kWindow;                     // free long since
+        ++block_free_[size_t(s / kBlock)];
+      }
       else fresh_.push_back(s);
     }
     cursor_ = 0;
@@ -142,8 +170,8 @@ class SlotAllocator {
     const uint32_t window = std::min<uint32_t>(kWindow, uint32_t(n_free_) / 2);
     const int32_t start = cursor_;
     const bool wrap_first = n_free_ - (capacity_ - extent_) >= std::max<int32_t>(kWindow, extent_ / 8);
-    int32_t need = n;
-    need = take(start, extent_, need, window, out);        // 1. settled slots, from the cursor on
+    skipped_.clear();
+    int32_t need = take(start, extent_, n, window, out);     // 1. settled slots, from the cursor on
     if (wrap_first) {
       need = take(0, start, need, window, out);
       need = take(extent_, capacity_, need, 0, out);
@@ -151,33 +179,49 @@ class SlotAllocator {
       need = take(extent_, capacity_, need, 0, out);         // never used: settled
       need = take(0, start, need, window, out);
     }
-    const int32_t again = cursor_;                            // 2. any free slot, in the same order
-    need = take(again, extent_, need, 0, out);
-    need = take(0, again, need, 0, out);
-    assert(need == 0);
+    // 2. short: the first pass saw every free slot, and skipped these, in its order
+    for (size_t i = 0; need > 0; ++i, --need) {
+      assert(i < skipped_.size());
+      hand_out(skipped_[i], out);
+    }
     n_free_ -= n;
   }
 
   // Free slots of [lo, hi) in order, those freed at least `window` frees ago
-  // (0: all), up to `need` of them: taken, appended, the cursor after the
-  // last and the extent over it. Returns how many are still needed.
+  // (0: all), up to `need` of them, handed out; the others seen are noted in
+  // skipped_. Returns how many are still needed.
   int32_t take(int32_t lo, int32_t hi, int32_t need, uint32_t window, std::vector<int32_t>& out) {
     const uint8_t* base = is_free_.data();
     int32_t s = lo;
     while (need > 0 && s < hi) {
-      const void* hit = std::memchr(base + s, 1, size_t(hi - s));
-      if (hit == nullptr) break;
+      int32_t block_end = std::min(hi, (s / kBlock + 1) * kBlock);
+      if (block_free_[size_t(s / kBlock)] == 0) {           // a stretch with nothing free
+        s = block_end;
+        continue;
+      }
+      const void* hit = std::memchr(base + s, 1, size_t(block_end - s));
+      if (hit == nullptr) {
+        s = block_end;
+        continue;
+      }
       s = int32_t(static_cast<const uint8_t*>(hit) - base);
       if (window == 0 || uint32_t(frees_ - freed_at_[s]) >= window) {
-        is_free_[s] = 0;
-        out.push_back(s);
+        hand_out(s, out);
         --need;
-        cursor_ = s + 1 < capacity_ ? s + 1 : 0;
-        extent_ = std::max(extent_, s + 1);
+      } else {
+        skipped_.push_back(s);
       }
       ++s;
     }
     return need;
+  }
+
+  void hand_out(int32_t s, std::vector<int32_t>& out) {
+    is_free_[s] = 0;
+    --block_free_[size_t(s / kBlock)];
+    out.push_back(s);
+    cursor_ = s + 1 < capacity_ ? s + 1 : 0;
+    extent_ = std::max(extent_, s + 1);
   }
 
   [[noreturn]] void bad(int32_t s, const int32_t* slots, size_t upto) {
@@ -189,7 +233,8 @@ class SlotAllocator {
   bool sweep_;                        // the disk's order (a sweep) rather than a stack
   // Invariant: is_free_[s] == 1 exactly for the free slots. A stack keeps each
   // free slot in exactly one of ready_, fresh_ and fenced_; a sweep keeps
-  // n_free_ == their count, and every slot at or past extent_ free.
+  // n_free_ == their count, block_free_[b] == the count in block b, every slot
+  // at or past extent_ free, and cursor_ <= extent_. (check() tests them all.)
   std::vector<uint8_t> is_free_;
   std::vector<int32_t> fence_;        // per slot: the event its next owner waits on (0: none)
   // a stack's
@@ -200,6 +245,8 @@ class SlotAllocator {
   std::vector<uint32_t> freed_at_;    // per slot: frees_ when it was freed (wraps after 2^32 frees:
                                       // a slot then looks freed lately, and goes in the second pass)
   uint32_t frees_ = kWindow;          // slots freed so far (from kWindow: a never-used slot is settled)
+  std::vector<int32_t> block_free_;   // per kBlock slots: how many are free (a scan skips full blocks)
+  std::vector<int32_t> skipped_;      // scratch: the free slots a first pass skipped, in its order
   int32_t n_free_ = 0;
   int32_t cursor_ = 0;                // where the next sweep starts
   int32_t extent_ = 0;                // 1 + the highest slot handed out since built or recovered

@@ -1093,12 +1093,13 @@ Settled Core::drop_victims(int tier, const Ids& victims) {
 }
 
 std::vector<BatchSpec> Core::split_batches(const Ids& pages, int dst_tier) const {
+  auto by_slot = [&](int32_t a, int32_t b) { return pt_[a].slot < pt_[b].slot; };
   Ids order(pages);
-  // By source slot (runs of adjacent slots copy as one), except into the disk: there the
-  // caller's order (victims, least recently used first) meets the ascending destination slots
-  // of the sweep (allocator.hpp), so later evictions, in the same order, free runs of them.
-  if (dst_tier != DISK)
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].slot < pt_[b].slot; });
+  // By source slot (runs of adjacent slots copy as one), except host rows into the disk
+  // (copied row by row anyway): there the caller's order (victims, least recently used
+  // first) meets the ascending destination slots of the sweep (allocator.hpp), so later
+  // evictions, in the same order, free runs of them.
+  if (dst_tier != DISK) std::stable_sort(order.begin(), order.end(), by_slot);
   std::vector<BatchSpec> out;
   for (int32_t id : order) {
     const Page& p = pt_[id];
@@ -1112,6 +1113,9 @@ std::vector<BatchSpec> Core::split_batches(const Ids& pages, int dst_tier) const
     }
     it->pages.push_back(id);
   }
+  if (dst_tier == DISK)
+    for (BatchSpec& b : out)
+      if (b.src_tier != HOST) std::stable_sort(b.pages.begin(), b.pages.end(), by_slot);
   return out;
 }
 
@@ -1701,6 +1705,8 @@ void Core::check() const {
         queued += p.queued != NOT_QUEUED;
       }
       require(used == a.used(), "owned slots differ from allocated slots");
+      std::string broken = a.check();
+      require(broken.empty(), ("a slot allocator: " + broken).c_str());
       require(queued == queues_[t][g].size(), "a queue's length differs from its members");
     }
   size_t indexed = 0;

@@ -215,8 +215,8 @@ class SlotAllocator:
     The disk (``sweep``): free slots in address order from ``cursor``,
     wrapping, so that a spill's pages land in runs of adjacent slots. A
     first pass skips slots freed within the last ``window`` frees (half the
-    free slots, at most WINDOW), whose free may not be journaled yet; a
-    second takes them if the rest falls short. Past the extent (1 + the
+    free slots, at most WINDOW), whose free may not be journaled yet; if the
+    rest falls short, those it skipped go, in its order. Past the extent (1 + the
     highest slot handed out) the sweep wraps to slot 0 while an eighth of
     the extent is free, else grows it. See allocator.hpp."""
 
@@ -265,33 +265,37 @@ class SlotAllocator:
         window = min(WINDOW, self.n_free // 2)
         start = self.cursor
         wrap_first = self.n_free - (self.capacity - self.extent) >= max(WINDOW, self.extent // 8)
-        need = self._take(start, self.extent, n, window, out)
+        skipped: list[int] = []
+        need = self._take(start, self.extent, n, window, out, skipped)
         if wrap_first:
-            need = self._take(0, start, need, window, out)
-            need = self._take(self.extent, self.capacity, need, 0, out)
+            need = self._take(0, start, need, window, out, skipped)
+            need = self._take(self.extent, self.capacity, need, 0, out, skipped)
         else:
-            need = self._take(self.extent, self.capacity, need, 0, out)
-            need = self._take(0, start, need, window, out)
-        again = self.cursor
-        need = self._take(again, self.extent, need, 0, out)
-        need = self._take(0, again, need, 0, out)
-        assert need == 0
+            need = self._take(self.extent, self.capacity, need, 0, out, skipped)
+            need = self._take(0, start, need, window, out, skipped)
+        for s in skipped[:need]:            # short: the first pass saw every free slot
+            self._hand_out(s, out)
         self.n_free -= n
 
-    def _take(self, lo: int, hi: int, need: int, window: int, out: list[int]) -> int:
+    def _take(self, lo: int, hi: int, need: int, window: int, out: list[int], skipped: list[int]) -> int:
         s = lo
         while need > 0 and s < hi:
             s = self.free_mark.find(1, s, hi)
             if s < 0:
                 break
             if window == 0 or (self.frees - self.freed_at[s]) % (1 << 32) >= window:
-                self.free_mark[s] = 0
-                out.append(s)
+                self._hand_out(s, out)
                 need -= 1
-                self.cursor = s + 1 if s + 1 < self.capacity else 0
-                self.extent = max(self.extent, s + 1)
+            else:
+                skipped.append(s)
             s += 1
         return need
+
+    def _hand_out(self, s: int, out: list[int]) -> None:
+        self.free_mark[s] = 0
+        out.append(s)
+        self.cursor = s + 1 if s + 1 < self.capacity else 0
+        self.extent = max(self.extent, s + 1)
 
     def release(self, slots: list[int], fence: int) -> None:
         """Nothing changes if a slot is out of range, already free or repeated."""
@@ -1546,13 +1550,17 @@ class ModelCore:
 
     def split_batches(self, pages: Pages, dst_tier: int) -> list[tuple]:
         """One batch per (source tier, source group, destination group), in
-        order of first appearance, each sorted by source slot; into the disk,
-        in the order given (see core.cpp)."""
+        order of first appearance, each sorted by source slot; host pages into
+        the disk keep the order given (see core.cpp)."""
         batches: dict[tuple[int, int, int], list[int]] = {}
         ids = _page_ids(pages)
         for pid in (ids if dst_tier == DISK else sorted(ids, key=lambda i: self.pt[i].slot)):
             p = self.pt[pid]
             batches.setdefault((p.tier, p.group, self.group_of[dst_tier][p.lc]), []).append(pid)
+        if dst_tier == DISK:
+            for (t, _, _), got in batches.items():
+                if t != HOST:
+                    got.sort(key=lambda i: self.pt[i].slot)
         return [(t, g, d, Pages(ids)) for (t, g, d), ids in batches.items()]
 
     def batch_view(self, pages: Pages) -> tuple:
