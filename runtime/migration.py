@@ -38,13 +38,11 @@ from .stats import MoveStats
 log = logging.getLogger("kvtier")
 # An emulated GPU<->host copy this small runs on the loop (a disk read from the page cache too,
 # up to the disk tier's CACHED_READ_MAX) rather than on its stream's thread: a refill step of small
-# pages (reclaim.REFILL_BYTES), about 0.2-0.5 ms of memcpy, or a demotion on demand at concurrency
-# 32 (2-8 MiB: 222 of 595 demotions went to the thread at 2 MiB, and the loop idled 0.44 s a replay
-# waiting for them). A hop to the thread cost a wait for it to start (the GIL behind a busy loop)
-# and a loop turn to hear back. Copies of 1 MiB and more give the GIL up (LOOP_KEEPS_GIL_BELOW).
-# From 256 KiB to 2 MiB: +19 % at concurrency 1, +21 % at 32; from 2 to 8 MiB: +7 % and +35 % at
-# 32 (4 of 4 and 4 of 5 pairs), none at 1; 32 MiB no better (docs/BENCH.md).
-INLINE_BYTES = 8 << 20
+# pages (reclaim.REFILL_BYTES), about
+# 0.2-0.5 ms of memcpy. A hop to the thread cost a wait for it to start (the GIL behind a busy
+# loop) and a loop turn to hear back; a request short of GPU slots waited 0.65 ms on average for
+# a demotion's copy there. From 256 KiB to 2 MiB: +19 % at concurrency 1, +21 % at 32 (docs/BENCH.md).
+INLINE_BYTES = 2 << 20
 # A spill this small is written behind (MigrationEngine._spill_behind): its rows are gathered into a
 # staging buffer on the loop (about 0.4 ms for 4 MiB here) and its pages land before the write.
 # Against none: +7 % at concurrency 1, +13 % at 32 (4 of 5 pairs each); 8 MiB measured no better.
