@@ -89,8 +89,8 @@ class MoveLatency:
 @dataclasses.dataclass(slots=True)
 class Batch:
     """The pages of one move, as the core describes them: one source tier
-    and group, sorted by source slot (runs copy as one), except a move into
-    the disk: in eviction order, least recently used first (``split_batches``)."""
+    and group, sorted by source slot (runs copy as one), except host rows
+    into the disk: in eviction order, least recently used first (``split_batches``)."""
 
     src_tier: int
     src_group: int

@@ -756,8 +756,9 @@ class Store:
                 try:
                     self.disk.free(group, [s for part in parts for s in part])
                     continue
-                except Exception:           # noqa: BLE001 - the parts alone say which one is wrong
-                    pass
+                except Exception as exc:    # noqa: BLE001 - the parts alone say which one is wrong
+                    log.debug("merged disk free of group %d failed (%r): freeing its %d parts one by one",
+                              group, exc, len(parts))
             for slots in parts:
                 try:
                     self.disk.free(group, slots)
