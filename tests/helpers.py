@@ -169,3 +169,19 @@ async def acquire_while_held(store, stream, tokens) -> dict:
     busy.synchronize(5)
     store.check_consistency()
     return seq.matched_by_tier
+
+
+async def read_all(store, base, n=4):
+    """Acquire base's prefix; returns (matched, recomputed) after checking every page kept."""
+    seq = await store.open_sequence(tokens=toks(base, n))
+    try:
+        matched = seq.matched_blocks
+        await seq.acquire()
+        redo = seq.recompute_blocks(0)
+        for b in range(matched):
+            if b not in redo:
+                assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
+        await seq.release()
+    finally:
+        await seq.close()
+    return matched, redo

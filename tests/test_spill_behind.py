@@ -17,23 +17,7 @@ from runtime import Store, TierIOError, migration
 from runtime.stats import MoveStats
 from tiers.streams import HostEvent
 
-from helpers import config, expected_block, fill, fill_and_hold_writer, read_block, toks, write_blocks
-
-
-async def _read_all(store, base, n=4):
-    """Acquire base's prefix; returns (matched, recomputed) after checking every page kept."""
-    seq = await store.open_sequence(tokens=toks(base, n))
-    try:
-        matched = seq.matched_blocks
-        await seq.acquire()
-        redo = seq.recompute_blocks(0)
-        for b in range(matched):
-            if b not in redo:
-                assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
-        await seq.release()
-    finally:
-        await seq.close()
-    return matched, redo
+from helpers import config, expected_block, fill, fill_and_hold_writer, read_all, read_block, toks, write_blocks
 
 
 @pytest.mark.parametrize("staged", [True, False])
@@ -91,7 +75,7 @@ async def test_a_demotion_takes_the_host_slots_of_a_spill_whose_write_is_queued(
         await store.drain()
         store.check_consistency()
         for base in range(1, 7):
-            matched, redo = await _read_all(store, base)
+            matched, redo = await read_all(store, base)
             assert matched == 4 and not redo
 
 
@@ -110,16 +94,16 @@ async def test_a_failed_write_behind_loses_only_its_pages(tmp_path, err, full):
         assert st["disk_full"]["refused_spills"] == (1 if full else 0)
         store.check_consistency()
         for base in (1, 2, 4, 5):                           # everything else reads back exact
-            matched, redo = await _read_all(store, base)
+            matched, redo = await read_all(store, base)
             assert matched == 4 and not redo
-        matched, redo = await _read_all(store, 3)           # the lost pages were dropped: a miss
+        matched, redo = await read_all(store, 3)           # the lost pages were dropped: a miss
         assert matched == 0 and store.stats()["corrupt_pages"] == 0
         store.check_consistency()
         await fill(store, toks(3, 4))                       # recomputed, and the tier takes spills again
         for base in range(6, 9):
             await fill(store, toks(base, 4))
         await store.drain()
-        matched, redo = await _read_all(store, 3)
+        matched, redo = await read_all(store, 3)
         assert matched == 4 and not redo
         store.check_consistency()
 
@@ -159,7 +143,7 @@ async def test_a_read_waiting_for_a_write_behind_that_fails_recomputes_its_block
         assert st["corrupt_pages"] == 4 and st["moves"]["host->disk"]["failures"] == 1
         store.check_consistency()
         for base in (2, 3):
-            matched, redo = await _read_all(store, base)
+            matched, redo = await read_all(store, base)
             assert matched == 4 and not redo
 
 
@@ -167,7 +151,7 @@ async def test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails(t
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
         gate = await _spill_failing_behind_a_held_writer(store)
         try:
-            matched, redo = await _read_all(store, 1)       # back on the GPU from the staged rows
+            matched, redo = await read_all(store, 1)       # back on the GPU from the staged rows
             assert matched == 4 and not redo
         finally:
             gate.set()
@@ -176,7 +160,7 @@ async def test_a_read_from_the_staged_rows_keeps_a_page_whose_write_then_fails(t
         assert st["moves"]["host->disk"]["failures"] == 1 and st["corrupt_pages"] == 0
         store.check_consistency()
         for base in (1, 2, 3):                              # base 1 was promoted before the write failed
-            matched, redo = await _read_all(store, base)
+            matched, redo = await read_all(store, base)
             assert matched == 4 and not redo
 
 
@@ -196,7 +180,7 @@ async def test_a_spill_above_the_limit_waits_for_its_write(tmp_path, monkeypatch
         await store.drain()
         store.check_consistency()
         for base in range(1, 4):
-            matched, redo = await _read_all(store, base)
+            matched, redo = await read_all(store, base)
             assert matched == 4 and not redo
 
 
@@ -245,7 +229,7 @@ async def test_a_write_that_fails_before_its_pages_land_still_drops_them(tmp_pat
         await fill(store, toks(5, 4))                       # base 3's spill fails before it lands
         await store.drain()
         assert store.stats()["moves"]["host->disk"]["failures"] == 1
-        matched, redo = await _read_all(store, 3)
+        matched, redo = await read_all(store, 3)
         assert matched == 0 and not redo                    # dropped: a miss, not a recompute
         store.check_consistency()
 
@@ -281,7 +265,7 @@ async def test_persisting_at_close_journals_the_spills_written_behind(tmp_path):
     async with Store.open(config(gpu=4, host=4, disk=64, disk_dir=tmp_path)) as store:
         assert store.stats()["recovered_pages"] == 32
         for base in range(1, 9):
-            matched, redo = await _read_all(store, base)
+            matched, redo = await read_all(store, base)
             assert matched == 4 and not redo
 
 
