@@ -31,7 +31,8 @@ from tiers.staging import StagingPool
 from tiers.streams import Event, HostStream
 
 from .pages import DISK, GPU, HOST, TIER_NAMES
-from .readiness import outlast, wait_event, wait_events
+from .copy_thread import CopyThread
+from .readiness import ended, outlast, wait_event, wait_events
 from .stats import MoveStats
 
 
@@ -208,7 +209,8 @@ def _rows_of(*pools) -> tuple:
 
 class MigrationEngine:
     __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
-                 "io_read", "tee", "stats", "latency", "fault", "loop", "behind", "behind_bytes", "staged", "on_behind_failure")
+                 "io_read", "tee", "stats", "latency", "fault", "loop", "behind", "behind_bytes", "staged", "on_behind_failure",
+                 "copier")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
                  cold_bytes: Sequence[int]) -> None:
@@ -235,12 +237,46 @@ class MigrationEngine:
         # a promoted page's disk slot as its copy, whose bytes must be on the disk when it lands)
         self.staged: dict[Event, tuple] | None = {}
         self.on_behind_failure: Callable[[BaseException, Batch], None] | None = None   # the store's
+        self.copier: CopyThread | None = None   # emulated copies past INLINE_BYTES (attach)
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """At the store's start, on its loop: where completions go, and on the emulated GPU
+        (host memory slabs) a native thread for the copies too large for the loop."""
+        self.loop = loop
+        if self.copier is None and self.gpu and all(p.array is not None for p in self.gpu):
+            self.copier = CopyThread(loop)
+
+    def stop_copier(self) -> None:
+        """Copies past INLINE_BYTES go to the copy streams' worker threads again (where tests can
+        hold them)."""
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
+
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
         for s in (self.down, self.up, self.io_write, self.io_read, self.tee):
             s.close()
         self.staging.clear()
+
+    async def _copy_off_loop(self, busy: list[float], src: np.ndarray, src_slots: Sequence[int], dst: np.ndarray,
+                             dst_slots: Sequence[int], deps: Iterable[Event | None]) -> Event:
+        """An emulated copy too large for the loop, on the native copy thread (runtime/copy_thread.py):
+        it starts once what it depends on ended (however it ended, as a stream's wait does)."""
+        for e in set(deps):
+            if e is not None and not e.query():
+                await ended(e, self.loop)
+        t0 = time.perf_counter()
+        ev = self.copier.submit(src, _index(src_slots), dst, _index(dst_slots))
+        try:
+            await wait_event(ev, self.loop)
+        except asyncio.CancelledError:
+            await outlast(ev, self.loop)    # the rows may still be copied: the caller's cleanup must wait
+            raise
+        busy[0] += time.perf_counter() - t0
+        return ev
 
     # -- codec helpers ----------------------------------------------------------
     def _identity(self, lcs: list[int]) -> bool:
@@ -292,7 +328,12 @@ class MigrationEngine:
                     else:
                         rows = gather(hot.tensor, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
-                ev = await self._stage(busy, self.down, job, deps, inline=small)
+                if not small and self.copier is not None and self._identity(lcs) and \
+                        self.host[dst_group].array is not None:
+                    ev = await self._copy_off_loop(busy, hot.array, src_slots, self.host[dst_group].array, dst_slots,
+                                                   deps)
+                else:
+                    ev = await self._stage(busy, self.down, job, deps, inline=small)
                 if batch.tee is not None:       # the landed rows, copied while the claim still holds the slots
                     await self._tee(batch, busy, lambda out: gather(dst, dst_slots, host_dev, out=out),
                                     n_pages, cold_bytes, [ev])
@@ -323,7 +364,12 @@ class MigrationEngine:
                     else:
                         rows = gather(src, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
-                ev = await self._stage(busy, self.up, job, deps, inline=small)
+                if not small and self.copier is not None and self._identity(lcs) and \
+                        self.host[src_group].array is not None:
+                    ev = await self._copy_off_loop(busy, self.host[src_group].array, src_slots,
+                                                   self.gpu[dst_group].array, dst_slots, deps)
+                else:
+                    ev = await self._stage(busy, self.up, job, deps, inline=small)
             else:
                 records = batch.records()
                 src_rows = self.host[src_group].array       # host memory: numpy all the way to the disk

@@ -201,7 +201,7 @@ class Store:
         keep_gil_below(LOOP_KEEPS_GIL_BELOW)     # this (the loop's) thread: small inline copies keep the GIL
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
-            self.engine.loop = loop
+            self.engine.attach(loop)
             self.engine.on_behind_failure = self._behind_failed
             if self.write_through is not None:
                 self.engine.staged = None       # a promoted page's disk copy must be written when it lands

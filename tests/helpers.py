@@ -22,8 +22,8 @@ DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")    # scripts/gpu_check.py s
 
 def half_inline_layers() -> list[LayerSpec]:
     """One layer of pages half the emulated copies' inline limit (migration.INLINE_BYTES): a move
-    of one or two pages runs on the loop, a move of three or more waits for its stream's thread
-    (where a test can hold it)."""
+    of one or two pages runs on the loop, a move of three or more on the native copy thread or,
+    after ``engine.stop_copier()``, on its stream's thread (where a test can hold it)."""
     from runtime import migration
     half = migration.INLINE_BYTES // 4
     return [LayerSpec(0, (("k", half), ("v", half)))]

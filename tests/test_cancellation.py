@@ -309,6 +309,7 @@ async def test_a_move_cancelled_while_its_copy_is_queued_hands_its_slots_on_only
     stale copy then overwrote it (found in review). The cancelled move now waits for its job."""
     big = half_inline_layers()                          # four pages too large to copy inline, one not
     async with Store.open(config(gpu=4, host=16, layers=big, tpb=4)) as store:
+        store.engine.stop_copier()                          # large copies on the stream's thread, held here
         await fill(store, toks(1, 4))
         await fill(store, toks(2, 1))
         for base in range(3, 8):                            # push both down to the host

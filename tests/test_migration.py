@@ -175,6 +175,7 @@ async def test_cancelled_acquire_leaks_nothing():
     # pages too large to copy on the loop: the promotion waits on the gated copy thread
     big = half_inline_layers()
     async with Store.open(config(gpu=4, host=16, layers=big)) as store:
+        store.engine.stop_copier()                           # large copies on the stream's thread, held here
         await _push_to_host(store, toks(1, 4))
         gate = threading.Event()
         store.engine.up.submit(gate.wait)                    # the copy stream is busy

@@ -1,7 +1,8 @@
 """The data plane's native kernels (``tiers._native``, built from this
 folder's C++ by the package's own build): batched page checksums, row
 copies, row I/O and journal record identities, each one call per batch (the GIL given up for large batches and
-for file I/O), and the small array sort the disk tier needs without giving up the GIL.
+for file I/O), the small array sort the disk tier needs without giving up the GIL, and ``CopyWorker``, a
+thread that runs row copies without the GIL at all (``runtime/copy_thread.py``).
 
 ``KVTIER_NATIVE_LIB`` names another build of the extension to load instead
 (scripts/sanitize.sh points it at an AddressSanitizer build).
@@ -19,8 +20,8 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
-from tiers._native import (argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
+from tiers._native import (CopyWorker, argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
                            record_identities, xxh64, xxh64_rows)
 
-__all__ = ["argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_all", "pwrite_rows",
+__all__ = ["CopyWorker", "argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_all", "pwrite_rows",
            "record_identities", "xxh64", "xxh64_rows"]

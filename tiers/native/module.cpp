@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "copy_worker.hpp"
 #include "record_identity.hpp"
 #include "row_io.hpp"
 #include "xxh64.hpp"
@@ -143,23 +145,64 @@ struct RowIndex {
 // numpy's fancy indexing made two passes (gather into a temporary, then scatter) and held
 // the GIL. src and dst may be views of one buffer (memmove); dst's own rows may not overlap
 // each other, or a row written would change another.
+// The checked arguments of copy_rows (and of a CopyWorker job): rows of equal width, each
+// contiguous, indices in range, destination rows not overlapping each other.
+struct RowCopy {
+  RowIndex si, di;
+  size_t width;
+
+  RowCopy(const Rows& src, const std::optional<Index>& src_index, const MutRows& dst,
+          const std::optional<Index>& dst_index, const char* what)
+      : si(src_index, count(src, src_index, dst_index), src.shape(0), (std::string(what) + ": source row out of range").c_str()),
+        di(dst_index, count(src, src_index, dst_index), dst.shape(0),
+           (std::string(what) + ": destination row out of range").c_str()),
+        width(src.shape(1)) {
+    const std::string w(what);
+    if (src.shape(1) != dst.shape(1)) throw nb::value_error((w + ": rows of different widths").c_str());
+    if ((src.shape(1) && src.stride(1) != 1) || (dst.shape(1) && dst.stride(1) != 1))
+      throw nb::value_error((w + ": each row's bytes must be contiguous").c_str());
+    if (si.size != di.size) throw nb::value_error((w + ": source and destination row counts differ").c_str());
+    const int64_t dst_step = dst.stride(0) < 0 ? -dst.stride(0) : dst.stride(0);
+    if (dst.shape(0) > 1 && width && size_t(dst_step) < width)
+      throw nb::value_error((w + ": the destination's rows overlap each other").c_str());
+  }
+
+  static size_t count(const Rows& src, const std::optional<Index>& si, const std::optional<Index>& di) {
+    return si ? si->shape(0) : di ? di->shape(0) : src.shape(0);
+  }
+};
+
 void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optional<Index> dst_index) {
-  if (src.shape(1) != dst.shape(1)) throw nb::value_error("copy_rows: rows of different widths");
-  if ((src.shape(1) && src.stride(1) != 1) || (dst.shape(1) && dst.stride(1) != 1))
-    throw nb::value_error("copy_rows: each row's bytes must be contiguous");
-  size_t n = src_index ? src_index->shape(0) : dst_index ? dst_index->shape(0) : src.shape(0);
-  RowIndex si(src_index, n, src.shape(0), "copy_rows: source row out of range");
-  RowIndex di(dst_index, n, dst.shape(0), "copy_rows: destination row out of range");
-  if (si.size != di.size) throw nb::value_error("copy_rows: source and destination row counts differ");
-  const size_t width = src.shape(1);
-  const int64_t dst_step = dst.stride(0) < 0 ? -dst.stride(0) : dst.stride(0);
-  if (dst.shape(0) > 1 && width && size_t(dst_step) < width)
-    throw nb::value_error("copy_rows: the destination's rows overlap each other");
+  RowCopy c(src, src_index, dst, dst_index, "copy_rows");
   const uint8_t* s = src.data();
   uint8_t* d = dst.data();
   const int64_t ss = src.stride(0), ds = dst.stride(0);
-  MaybeNoGil nogil(n * width >= t_keep_gil_below);
-  for (size_t i = 0; i < n; ++i) std::memmove(d + di[i] * ds, s + si[i] * ss, width);
+  MaybeNoGil nogil(c.si.size * c.width >= t_keep_gil_below);
+  for (size_t i = 0; i < c.si.size; ++i) std::memmove(d + c.di[i] * ds, s + c.si[i] * ss, c.width);
+}
+
+// CopyWorker.submit: a copy_rows for the worker thread, checked here (nothing is queued if it
+// fails); the caller keeps src and dst alive until the job's id comes back from take_done.
+uint64_t submit_copy(kvtier::CopyWorker& w, Rows src, std::optional<Index> src_index, MutRows dst,
+                     std::optional<Index> dst_index) {
+  RowCopy c(src, src_index, dst, dst_index, "CopyWorker.submit");
+  kvtier::CopyJob job;
+  job.src = src.data();
+  job.src_stride = src.stride(0);
+  job.dst = dst.data();
+  job.dst_stride = dst.stride(0);
+  job.width = c.width;
+  job.src_rows.resize(c.si.size);
+  job.dst_rows.resize(c.si.size);
+  for (size_t i = 0; i < c.si.size; ++i) {
+    job.src_rows[i] = c.si[i];
+    job.dst_rows[i] = c.di[i];
+  }
+  try {
+    return w.submit(std::move(job));
+  } catch (const std::logic_error& e) {
+    throw nb::value_error(e.what());
+  }
 }
 
 // The checked arguments of pread_rows / pwrite_rows as a RowIo (rows and offsets copied to
@@ -287,6 +330,17 @@ NB_MODULE(_native, m) {
         "dst_index"_a.noconvert().none(),
         "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row; the GIL is released "
         "for a batch of at least the thread's keep_gil_below.");
+  nb::class_<kvtier::CopyWorker>(m, "CopyWorker",
+                                 "A thread that runs copy_rows jobs without the GIL (copy_worker.hpp): submit "
+                                 "queues one and returns its id; a byte on the pipe `fd` says some are done; "
+                                 "take_done returns their ids. The caller keeps each job's arrays alive until then.")
+      .def(nb::init<>())
+      .def_prop_ro("fd", &kvtier::CopyWorker::fd)
+      .def("submit", &submit_copy, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
+           "dst_index"_a.noconvert().none(), "Queue dst[dst_index[i]] = src[src_index[i]]; its id.")
+      .def("take_done", &kvtier::CopyWorker::take_done, "The ids of the jobs done since the last call.")
+      .def("close", &kvtier::CopyWorker::close, nb::call_guard<nb::gil_scoped_release>(),
+           "Run the queued jobs, then stop the thread (idempotent).");
   m.def("pread_rows", &pread_rows, "fd"_a, "out"_a.noconvert(), "index"_a.noconvert(), "offsets"_a.noconvert(),
         "stride"_a, "nowait"_a = false,
         "out[index[i]] <- the row at file offset offsets[i]; bytes read per page (int64 array). One preadv per "
