@@ -12,6 +12,7 @@ byte on a pipe wakes the loop, which completes the jobs' events (``add_reader``)
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 
@@ -23,7 +24,7 @@ class CopyThread:
     """One native copy thread, its completions delivered on ``loop``. ``submit`` and the
     completions run on the loop's thread; ``close`` may run on any."""
 
-    __slots__ = ("_loop", "_worker", "_fd", "_pending", "_closed")
+    __slots__ = ("_loop", "_worker", "_fd", "_pending", "_closed", "_lock")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -32,6 +33,10 @@ class CopyThread:
         # job id -> (its event, the arrays it reads and writes: alive until it is done)
         self._pending: dict[int, tuple[HostEvent, tuple]] = {}
         self._closed = False
+        # submit's "queued, then registered" and close's "run the rest, then complete them" are
+        # each one step to the other: else a job close ran before submit registered it would
+        # never have its event set (found in review)
+        self._lock = threading.Lock()
         loop.add_reader(self._fd, self._on_done)
 
     def submit(self, src: np.ndarray, src_index: np.ndarray | None, dst: np.ndarray,
@@ -40,8 +45,9 @@ class CopyThread:
         ``tiers.native.copy_rows``, checked here: a bad one raises and nothing is queued);
         the returned event is set on the loop when the rows are copied."""
         ev = HostEvent()
-        job = self._worker.submit(src, src_index, dst, dst_index)
-        self._pending[job] = (ev, (src, src_index, dst, dst_index))
+        with self._lock:
+            job = self._worker.submit(src, src_index, dst, dst_index)
+            self._pending[job] = (ev, (src, src_index, dst, dst_index))
         return ev
 
     def _on_done(self) -> None:
@@ -52,11 +58,12 @@ class CopyThread:
 
     def close(self) -> None:
         """Run the queued copies, complete their events and stop the thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._worker.close()
-        self._on_done()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._worker.close()
+            self._on_done()
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -71,3 +78,10 @@ class CopyThread:
 
     def _drop_reader(self) -> None:
         self._loop.remove_reader(self._fd)
+
+    def __del__(self) -> None:
+        # dropped unclosed: the thread must stop writing before the arrays in _pending go
+        # (slots and cycles are cleared after this runs; found in review: a segfault)
+        if getattr(self, "_worker", None) is not None and not self._closed:
+            self._worker.close()
+            self._on_done()

@@ -210,7 +210,7 @@ def _rows_of(*pools) -> tuple:
 class MigrationEngine:
     __slots__ = ("device", "lcs", "codecs", "gpu", "host", "disk", "cold_bytes", "down", "up", "io_write", "staging",
                  "io_read", "tee", "stats", "latency", "fault", "loop", "behind", "behind_bytes", "staged", "on_behind_failure",
-                 "copier")
+                 "copier", "copier_up")
 
     def __init__(self, device: Device, lcs: Sequence[LifeCycle], gpu: list, host: list, disk,
                  cold_bytes: Sequence[int]) -> None:
@@ -237,7 +237,10 @@ class MigrationEngine:
         # a promoted page's disk slot as its copy, whose bytes must be on the disk when it lands)
         self.staged: dict[Event, tuple] | None = {}
         self.on_behind_failure: Callable[[BaseException, Batch], None] | None = None   # the store's
-        self.copier: CopyThread | None = None   # emulated copies past INLINE_BYTES (attach)
+        # emulated copies past INLINE_BYTES (attach): demotions, and promotions apart (on a request's
+        # path, never queued behind a demotion)
+        self.copier: CopyThread | None = None
+        self.copier_up: CopyThread | None = None
         self.fault: Callable[[int, int], None] | None = None   # test hook: (src tier, dst tier) -> may raise
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -245,31 +248,33 @@ class MigrationEngine:
         (host memory slabs) a native thread for the copies too large for the loop."""
         self.loop = loop
         if self.copier is None and self.gpu and all(p.array is not None for p in self.gpu):
-            self.copier = CopyThread(loop)
+            self.copier, self.copier_up = CopyThread(loop), CopyThread(loop)
 
     def stop_copier(self) -> None:
         """Copies past INLINE_BYTES go to the copy streams' worker threads again (where tests can
         hold them)."""
-        if self.copier is not None:
-            self.copier.close()
-            self.copier = None
+        for c in (self.copier, self.copier_up):
+            if c is not None:
+                c.close()
+        self.copier = self.copier_up = None
 
     def close(self) -> None:
-        if self.copier is not None:
-            self.copier.close()
+        for c in (self.copier, self.copier_up):
+            if c is not None:
+                c.close()
         for s in (self.down, self.up, self.io_write, self.io_read, self.tee):
             s.close()
         self.staging.clear()
 
-    async def _copy_off_loop(self, busy: list[float], src: np.ndarray, src_slots: Sequence[int], dst: np.ndarray,
-                             dst_slots: Sequence[int], deps: Iterable[Event | None]) -> Event:
+    async def _copy_off_loop(self, copier: CopyThread, busy: list[float], src: np.ndarray, src_slots: Sequence[int],
+                             dst: np.ndarray, dst_slots: Sequence[int], deps: Iterable[Event | None]) -> Event:
         """An emulated copy too large for the loop, on the native copy thread (runtime/copy_thread.py):
         it starts once what it depends on ended (however it ended, as a stream's wait does)."""
         for e in set(deps):
             if e is not None and not e.query():
                 await ended(e, self.loop)
-        t0 = time.perf_counter()
-        ev = self.copier.submit(src, _index(src_slots), dst, _index(dst_slots))
+        t0 = time.perf_counter()                # busy: from issue to completion, as on CUDA
+        ev = copier.submit(src, _index(src_slots), dst, _index(dst_slots))
         try:
             await wait_event(ev, self.loop)
         except asyncio.CancelledError:
@@ -330,8 +335,8 @@ class MigrationEngine:
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
                 if not small and self.copier is not None and self._identity(lcs) and \
                         self.host[dst_group].array is not None:
-                    ev = await self._copy_off_loop(busy, hot.array, src_slots, self.host[dst_group].array, dst_slots,
-                                                   deps)
+                    ev = await self._copy_off_loop(self.copier, busy, hot.array, src_slots,
+                                                   self.host[dst_group].array, dst_slots, deps)
                 else:
                     ev = await self._stage(busy, self.down, job, deps, inline=small)
                 if batch.tee is not None:       # the landed rows, copied while the claim still holds the slots
@@ -364,9 +369,9 @@ class MigrationEngine:
                     else:
                         rows = gather(src, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
-                if not small and self.copier is not None and self._identity(lcs) and \
+                if not small and self.copier_up is not None and self._identity(lcs) and \
                         self.host[src_group].array is not None:
-                    ev = await self._copy_off_loop(busy, self.host[src_group].array, src_slots,
+                    ev = await self._copy_off_loop(self.copier_up, busy, self.host[src_group].array, src_slots,
                                                    self.gpu[dst_group].array, dst_slots, deps)
                 else:
                     ev = await self._stage(busy, self.up, job, deps, inline=small)

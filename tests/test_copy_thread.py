@@ -64,7 +64,7 @@ async def test_a_cancelled_copy_returns_only_once_its_rows_are_written():
     while the thread may still write them."""
     loop = asyncio.get_running_loop()
     engine = MigrationEngine.__new__(MigrationEngine)      # only the copy path: no pools, no streams
-    engine.loop, engine.copier = loop, CopyThread(loop)
+    engine.loop, engine.copier, engine.copier_up = loop, CopyThread(loop), None
     try:
         src = np.full((4096, 1 << 16), 3, dtype=np.uint8)      # 256 MiB: tens of ms
         dst = np.zeros_like(src)
@@ -72,7 +72,7 @@ async def test_a_cancelled_copy_returns_only_once_its_rows_are_written():
 
         async def move():
             try:
-                await engine._copy_off_loop([0.0], src, range(4096), dst, range(4096), [])
+                await engine._copy_off_loop(engine.copier, [0.0], src, range(4096), dst, range(4096), [])
             except asyncio.CancelledError:
                 done_at_cancel.append(bool((dst[-1] == 3).all()))
                 raise
@@ -110,3 +110,18 @@ async def test_large_pages_move_through_the_copy_thread_and_read_back_exact(tmp_
         assert jobs and all(n >= 3 for n in jobs)
         assert [s.queued for s in streams] == queued
         store.check_consistency()
+
+
+async def test_a_copy_thread_dropped_unclosed_stops_copying_before_its_arrays_go():
+    """The queued jobs' arrays may be held only by the CopyThread: dropping it unclosed must stop
+    the thread first (it wrote into freed memory, a segfault, found in review)."""
+    loop = asyncio.get_running_loop()
+    copier = CopyThread(loop)
+    fd = copier._fd
+    events = []
+    for _ in range(8):
+        src = np.full((512, 1 << 16), 7, dtype=np.uint8)       # 32 MiB each, held only by the job
+        events.append(copier.submit(src, None, np.zeros_like(src), None))
+    loop.remove_reader(fd)
+    del copier, src
+    assert all(ev.query() for ev in events)                   # finished, with the thread, before the arrays

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,6 +43,8 @@ struct CopyJob {
 
 class CopyWorker {
  public:
+  static constexpr int kNice = 5;      // tiers.streams.WORKER_NICE
+
   CopyWorker() {
     if (::pipe(pipe_) != 0) throw std::runtime_error(std::string("copy worker: pipe: ") + std::strerror(errno));
     for (int fd : pipe_) {
@@ -92,6 +96,14 @@ class CopyWorker {
 
  private:
   void run() {
+#ifdef SYS_gettid
+    // below the event loop, as the Python workers are (tiers/streams.py, _lower_priority): on a
+    // machine with few cores a copy must not take the loop's core for a whole time slice
+    int tid = int(::syscall(SYS_gettid));
+    errno = 0;
+    int nice = ::getpriority(PRIO_PROCESS, id_t(tid));
+    if (errno == 0) ::setpriority(PRIO_PROCESS, id_t(tid), nice + kNice);
+#endif
     for (;;) {
       CopyJob job;
       {
