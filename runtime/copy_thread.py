@@ -58,12 +58,8 @@ class CopyThread:
 
     def close(self) -> None:
         """Run the queued copies, complete their events and stop the thread. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._worker.close()
-            self._on_done()
+        if not self._finish():
+            return
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -76,12 +72,21 @@ class CopyThread:
         except RuntimeError:            # the loop closed meanwhile: its readers went with it
             pass
 
+    def _finish(self) -> bool:
+        """Stop the thread after the queued copies and complete their events; False if done before."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            self._worker.close()
+            self._on_done()
+            return True
+
     def _drop_reader(self) -> None:
         self._loop.remove_reader(self._fd)
 
     def __del__(self) -> None:
         # dropped unclosed: the thread must stop writing before the arrays in _pending go
         # (slots and cycles are cleared after this runs; found in review: a segfault)
-        if getattr(self, "_worker", None) is not None and not self._closed:
-            self._worker.close()
-            self._on_done()
+        if getattr(self, "_lock", None) is not None:
+            self._finish()

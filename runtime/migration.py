@@ -247,7 +247,7 @@ class MigrationEngine:
         """At the store's start, on its loop: where completions go, and on the emulated GPU
         (host memory slabs) a native thread for the copies too large for the loop."""
         self.loop = loop
-        if self.copier is None and self.gpu and all(p.array is not None for p in self.gpu):
+        if self.copier is None and self.gpu and all(p.array is not None for p in (*self.gpu, *self.host)):
             self.copier, self.copier_up = CopyThread(loop), CopyThread(loop)
 
     def stop_copier(self) -> None:
@@ -259,9 +259,7 @@ class MigrationEngine:
         self.copier = self.copier_up = None
 
     def close(self) -> None:
-        for c in (self.copier, self.copier_up):
-            if c is not None:
-                c.close()
+        self.stop_copier()
         for s in (self.down, self.up, self.io_write, self.io_read, self.tee):
             s.close()
         self.staging.clear()
@@ -319,6 +317,7 @@ class MigrationEngine:
         host_dev = _HOST
         nbytes = n_pages * self._dst_width(dst_tier, dst_group)
         small = nbytes <= INLINE_BYTES   # cheaper on the loop than a hop to a copy thread
+        off_loop = not small and self.copier is not None and self._identity(lcs)    # on a native copy thread
 
         if src_tier == GPU:
             hot = self.gpu[src_group]
@@ -333,8 +332,7 @@ class MigrationEngine:
                     else:
                         rows = gather(hot.tensor, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, True, cold_bytes))
-                if not small and self.copier is not None and self._identity(lcs) and \
-                        self.host[dst_group].array is not None:
+                if off_loop:
                     ev = await self._copy_off_loop(self.copier, busy, hot.array, src_slots,
                                                    self.host[dst_group].array, dst_slots, deps)
                 else:
@@ -369,8 +367,7 @@ class MigrationEngine:
                     else:
                         rows = gather(src, src_slots, dev)
                         scatter(dst, dst_slots, self._convert(rows, lcs, False, hot_bytes))
-                if not small and self.copier_up is not None and self._identity(lcs) and \
-                        self.host[src_group].array is not None:
+                if off_loop:
                     ev = await self._copy_off_loop(self.copier_up, busy, self.host[src_group].array, src_slots,
                                                    self.gpu[dst_group].array, dst_slots, deps)
                 else:
