@@ -1,7 +1,7 @@
 """``DiskTier.read_cached``: a read the event loop may do itself, because it never waits - not for
 the device (only what the page cache holds, preadv2 RWF_NOWAIT) and not for a lock (the group's is
-only tried). Whatever it declines, ``read`` does on a thread; whatever it does, it verifies as
-``read`` does."""
+only tried; while another thread holds it, the read goes on unlocked and validated). Whatever it
+declines, ``read`` does on a thread; whatever it does, it verifies as ``read`` does."""
 from __future__ import annotations
 
 import errno
@@ -112,26 +112,120 @@ def test_a_kernel_or_filesystem_without_nowait_reads_sends_every_read_to_the_thr
     assert np.array_equal(out[1].numpy(), page_bytes(1)) and tier.discarded == []
 
 
-def test_a_held_group_lock_is_never_waited_for(tier):
-    put(tier, [0, 1])
-    held = threading.Event()
-    release = threading.Event()
+class LockHolder:
+    """Another thread holding the group's lock (as a write's or a commit's bookkeeping does) until
+    ``release``; ``run(fn)`` has it drop the lock, run ``fn`` (which may take the lock itself) and
+    take the lock again, while the caller waits."""
 
-    def holder() -> None:
-        with tier.groups[0].lock:
-            held.set()
-            release.wait(5)
-    th = threading.Thread(target=holder)
-    th.start()
+    def __init__(self, tier: DiskTier) -> None:
+        self.lock = tier.groups[0].lock
+        self.jobs: list = []
+        self.wake = threading.Condition()
+        self.held = threading.Event()
+        self.thread = threading.Thread(target=self._main)
+        self.thread.start()
+        assert self.held.wait(5)
+
+    def _main(self) -> None:
+        self.lock.acquire()
+        self.held.set()
+        with self.wake:
+            while True:
+                self.wake.wait_for(lambda: self.jobs)
+                fn, done = self.jobs.pop(0)
+                if fn is None:
+                    break
+                self.lock.release()
+                try:
+                    fn()
+                finally:
+                    self.lock.acquire()
+                    done.set()
+        self.lock.release()
+
+    def run(self, fn) -> None:
+        done = threading.Event()
+        with self.wake:
+            self.jobs.append((fn, done))
+            self.wake.notify()
+        assert done.wait(5)
+
+    def release(self) -> None:
+        with self.wake:
+            self.jobs.append((None, None))
+            self.wake.notify()
+        self.thread.join(5)
+
+
+def test_a_held_group_lock_is_never_waited_for_and_the_read_goes_on(tier):
+    """The lock's holder does bookkeeping of other slots: the read of live pages goes on without
+    the lock, exact, without waiting for it."""
+    put(tier, [0, 1, 2])
+    holder = LockHolder(tier)
     try:
-        held.wait(5)
+        out = out_for(2)
         t0 = time.perf_counter()
-        assert tier.read_cached(0, [0, 1], out_for(2)) is False
+        assert tier.read_cached(0, [2, 0], out) is True
         assert time.perf_counter() - t0 < 0.5
+        assert np.array_equal(out[0].numpy(), page_bytes(2)) and np.array_equal(out[1].numpy(), page_bytes(0))
+        assert tier.stats["unlocked_reads"] == 1 and tier.stats["pages_read"] == 2
     finally:
-        release.set()
-        th.join()
+        holder.release()
     assert tier.read_cached(0, [0, 1], out_for(2)) is True
+    assert tier.stats["unlocked_reads"] == 1
+
+
+@pytest.mark.parametrize("change", ["relabel", "free", "free and write again"])
+def test_a_read_without_the_lock_declines_a_page_changed_under_it(tier, monkeypatch, change):
+    """While the bytes are read, the lock's holder changes page 1 (a relabel gives it a new
+    generation; a free ends it, and a write may fill the slot again): the read declines (the
+    thread redoes it under the lock), never hands back rows checked against another record."""
+    from tiers import disk as disk_mod
+    put(tier, [0, 1, 2])
+    holder = LockHolder(tier)
+    real = disk_mod.pread_rows
+
+    def changing(fd, out, index, offsets, stride, nowait=False):
+        got = real(fd, out, index, offsets, stride, nowait)
+        if change == "relabel":
+            holder.run(lambda: tier.relabel(0, [1], [PageRecord(99, None, 0, 0)], durable=False))
+        else:
+            holder.run(lambda: tier.free(0, [1]))
+            if change != "free":
+                holder.run(lambda: put(tier, [1]))
+        return got
+    monkeypatch.setattr(disk_mod, "pread_rows", changing)
+    try:
+        assert tier.read_cached(0, [0, 1, 2], out_for(3)) is False
+    finally:
+        holder.release()
+    monkeypatch.setattr(disk_mod, "pread_rows", real)
+    assert tier.stats["unlocked_reads"] == 0 and tier.discarded == []
+    if change == "free":
+        with pytest.raises(UsageError):
+            tier.read_cached(0, [1], out_for(1))
+    else:
+        out = out_for(1)
+        assert tier.read_cached(0, [1], out) is True and np.array_equal(out[0].numpy(), page_bytes(1))
+        if change == "relabel":
+            assert tier.record(0, 1).key == 99
+
+
+def test_damaged_bytes_found_without_the_lock_are_left_to_the_locked_read(tier):
+    """Only a read under the lock discards pages: one without it declines, and the thread's read
+    then finds the damage and discards the page."""
+    put(tier, [0, 1, 2])
+    g = tier.groups[0]
+    os.pwrite(g.seg_fd, b"\xff\x00\xff", 1 * g.stride + 100)
+    holder = LockHolder(tier)
+    try:
+        assert tier.read_cached(0, [0, 1, 2], out_for(3)) is False
+        assert tier.discarded == []
+    finally:
+        holder.release()
+    with pytest.raises(CorruptPageError) as ei:
+        tier.read(0, [0, 1, 2], out_for(3))
+    assert ei.value.slots == [1]
 
 
 def test_damaged_bytes_are_caught_as_by_read(tier):
