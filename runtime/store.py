@@ -51,6 +51,9 @@ from .write_through import WriteThrough, off_stats as write_through_off
 
 log = logging.getLogger("kvtier")
 HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a millisecond per 64 Ki tokens)
+# pages whose native table entries are written when the store opens, not by the requests that fill
+# them (None: the core's default, a million; see runtime/core/page_table.hpp, PageTable::prefault)
+CORE_PREFAULT_PAGES: int | None = None
 
 _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, ReusePolicy.OPTIONAL: 2,
                ReusePolicy.PRIVATE: 3}
@@ -289,7 +292,8 @@ class Store:
                     list(n["disk"]) if cfg.disk is not None else []]
         lcs = [(lc.kind == "ssm", lc.window_tokens or 0, lc.sink_tokens, _REUSE_CODE[lc.reuse]) for lc in self.lcs]
         group_of = [[g if capacity[t] else -1 for g in row] for t, row in enumerate(self.group_of)]
-        self.core = Core(self.tpb, lcs, group_of, capacity)
+        self.core = Core(self.tpb, lcs, group_of, capacity,
+                         **({} if CORE_PREFAULT_PAGES is None else {"prefault_pages": CORE_PREFAULT_PAGES}))
         for t in self.tier_ids:
             # a demotion batch beyond a request's own need (the reserve's, the line's) is at most a
             # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier

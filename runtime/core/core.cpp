@@ -20,7 +20,7 @@ void require(bool ok, const char* what) {
 }  // namespace
 
 Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std::vector<int32_t>> group_of,
-           std::vector<std::vector<int32_t>> capacity)
+           std::vector<std::vector<int32_t>> capacity, size_t prefault_pages)
     : tpb_(tokens_per_block), lcs_(std::move(lcs)), group_of_(std::move(group_of)), index_(int(lcs_.size())) {
   require(tpb_ > 0, "tokens_per_block must be positive");
   require(!lcs_.empty() && lcs_.size() < 128, "1..127 life cycles");
@@ -65,6 +65,11 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
   pt_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
   index_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
   index_.presize(std::min<size_t>(total_slots, size_t(1) << 21));       // at most a 16 MiB map up front
+  // and the tables' memory written now for up to prefault_pages pages (88 bytes each with one life
+  // cycle): the GPU and host tiers fill within seconds of traffic, and a request that grew the
+  // tables into fresh memory took the page faults (see PageTable::prefault)
+  pt_.prefault(std::min(total_slots, prefault_pages));
+  index_.prefault(std::min(total_slots, prefault_pages));
 }
 
 Seq& Core::live_seq(int32_t s) {

@@ -43,6 +43,10 @@ namespace kvtier {
 
 using Ids = std::vector<int32_t>;
 
+// The most pages whose table entries a new core writes up front (Core::Core; 88 MiB with one
+// life cycle). Past it, the tables' memory is written as they fill.
+constexpr size_t kPrefaultPages = size_t(1) << 20;
+
 struct Seq {
   std::vector<Key> keys;
   Ids blocks;                   // block per position (matched, then extended)
@@ -132,9 +136,10 @@ class CoreError : public std::logic_error {
 class Core {
  public:
   // group_of[tier][lc]: the life cycle's pool group in each tier (-1: tier absent);
-  // capacity[tier][group]: slots per group (an absent tier has no groups).
+  // capacity[tier][group]: slots per group (an absent tier has no groups); the page and block
+  // tables' memory is written up front for min(slots, prefault_pages) pages (see kPrefaultPages).
   Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std::vector<int32_t>> group_of,
-       std::vector<std::vector<int32_t>> capacity);
+       std::vector<std::vector<int32_t>> capacity, size_t prefault_pages = kPrefaultPages);
 
   // -- sequences --------------------------------------------------------------------
   OpenResult open_seq(std::vector<Key> keys, int priority);

@@ -11,6 +11,7 @@
 //   sequence rows, the live pages that name it, and 1 while indexed.
 #pragma once
 
+#include <algorithm>
 #include <cassert>
 #include <stdexcept>
 #include <cstddef>
@@ -156,6 +157,16 @@ class BlockIndex {
   void reserve(size_t n) {
     blocks.reserve(n);
     pages.reserve(n * size_t(n_lcs_));
+  }
+
+  // PageTable::prefault for the block tables: the first n blocks' entries written once, before any
+  // block exists.
+  void prefault(size_t n) {
+    assert(blocks.empty() && pages.empty());
+    blocks.resize(std::min(n, blocks.capacity()));
+    blocks.clear();
+    pages.resize(std::min(n * size_t(n_lcs_), pages.capacity()));
+    pages.clear();
   }
 
   // A map that holds n keys without rehashing (4 bytes per entry, touched now): growing

@@ -6,6 +6,8 @@
 // hold bare ids across awaits.
 #pragma once
 
+#include <algorithm>
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -79,6 +81,16 @@ class PageTable {
   }
 
   void reserve(size_t n) { pages.reserve(n); free_.reserve(n / 8); }
+
+  // Writes the first n reserved entries once (at construction, before any page exists), so that
+  // the requests that fill the table do not take the page faults: a first write to fresh memory
+  // faults once per 4 KiB, several microseconds each on a VM, which made an extend of 24 blocks
+  // 3x slower in a fresh store than in one whose memory was reused.
+  void prefault(size_t n) {
+    assert(pages.empty());
+    pages.resize(std::min(n, pages.capacity()));
+    pages.clear();          // the capacity, and the memory written, stay
+  }
   size_t live() const { return live_; }
 
   Page& operator[](int32_t id) { return pages[id]; }

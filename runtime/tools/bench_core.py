@@ -101,7 +101,11 @@ async def metadata_row(n_pages: int = 1 << 20) -> dict:
 async def metadata_in_process(n_pages: int, per_request: int = 512) -> dict:
     """RSS growth per committed, indexed page (one life cycle, GPU tier
     large enough that nothing is evicted; 16-byte pages so the slab is small
-    and allocated before the first reading)."""
+    and allocated before the first reading). The core's tables grow as they
+    fill here: a store writes them for up to a million pages when it opens
+    (``store.CORE_PREFAULT_PAGES``), which would hide the growth."""
+    from .. import store as store_module
+    store_module.CORE_PREFAULT_PAGES = 0
     cfg = _config((n_pages,), None, page=(("k", 8), ("v", 8)))
     async with Store.open(cfg) as store:
         await _requests(store, 0, per_request, per_request)        # warm up allocators and code paths
