@@ -144,6 +144,7 @@ class Store:
         self._line_batch: dict[int, int] = {}      # tier -> most slots a demotion batch takes beyond its own need
         self.core: Core | None = None
         self._loop: asyncio.AbstractEventLoop | None = None     # the loop the store started on
+        self._loop_thread = -1                                  # and its thread (threading.get_ident)
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
         self.disk = None
@@ -201,6 +202,7 @@ class Store:
         # the store's loop, kept: on Python 3.11 every asyncio.get_running_loop() is a getpid()
         # system call, which cost the loop 3 % of its time in the three-tier replay
         loop = self._loop = self.claims.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         keep_gil_below(LOOP_KEEPS_GIL_BELOW)     # this (the loop's) thread: small inline copies keep the GIL
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
@@ -413,7 +415,10 @@ class Store:
             raise StoreClosedError("store is closing")
         if (tokens is None) == (block_keys is None):
             raise UsageError("pass exactly one of tokens= or block_keys=")
-        if asyncio.get_running_loop() is not self._loop:
+        # on the store's thread with its loop running, that loop is the running one: no
+        # get_running_loop (a getpid() system call on Python 3.11) per request
+        if (threading.get_ident() != self._loop_thread or not self._loop.is_running()) \
+                and asyncio.get_running_loop() is not self._loop:
             raise UsageError("the store runs on the event loop it was opened on: use it from that loop "
                              "(asyncio.run_coroutine_threadsafe from other threads)")
         if priority is None:
