@@ -51,8 +51,9 @@ from .write_through import WriteThrough, off_stats as write_through_off
 
 log = logging.getLogger("kvtier")
 HASH_ON_LOOP_TOKENS = 1 << 16       # longer prompts hash off the loop (about a millisecond per 64 Ki tokens)
-# pages whose native table entries are written when the store opens, not by the requests that fill
-# them (None: the core's default, a million; see runtime/core/page_table.hpp, PageTable::prefault)
+# at most this many pages (of the GPU and host tiers) have their native table entries written when
+# the store opens, not by the requests that fill them (None: the core's default, a million; see
+# runtime/core/page_table.hpp, PageTable::prefault)
 CORE_PREFAULT_PAGES: int | None = None
 
 _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, ReusePolicy.OPTIONAL: 2,

@@ -115,7 +115,7 @@ def test_a_kernel_or_filesystem_without_nowait_reads_sends_every_read_to_the_thr
 class LockHolder:
     """Another thread holding the group's lock (as a write's or a commit's bookkeeping does) until
     ``release``; ``run(fn)`` has it drop the lock, run ``fn`` (which may take the lock itself) and
-    take the lock again, while the caller waits."""
+    take the lock again, while the caller waits (``fn``'s exception is raised to the caller)."""
 
     def __init__(self, tier: DiskTier) -> None:
         self.lock = tier.groups[0].lock
@@ -129,32 +129,39 @@ class LockHolder:
     def _main(self) -> None:
         self.lock.acquire()
         self.held.set()
-        with self.wake:
-            while True:
-                self.wake.wait_for(lambda: self.jobs)
-                fn, done = self.jobs.pop(0)
-                if fn is None:
-                    break
-                self.lock.release()
-                try:
-                    fn()
-                finally:
-                    self.lock.acquire()
-                    done.set()
-        self.lock.release()
+        try:
+            with self.wake:
+                while True:
+                    self.wake.wait_for(lambda: self.jobs)
+                    fn, box, done = self.jobs.pop(0)
+                    if fn is None:
+                        break
+                    self.lock.release()
+                    try:
+                        fn()
+                    except BaseException as exc:        # noqa: BLE001 - handed to the caller
+                        box.append(exc)
+                    finally:
+                        self.lock.acquire()
+                        done.set()
+        finally:
+            self.lock.release()
 
     def run(self, fn) -> None:
-        done = threading.Event()
+        done, box = threading.Event(), []
         with self.wake:
-            self.jobs.append((fn, done))
+            self.jobs.append((fn, box, done))
             self.wake.notify()
         assert done.wait(5)
+        if box:
+            raise box[0]
 
     def release(self) -> None:
         with self.wake:
-            self.jobs.append((None, None))
+            self.jobs.append((None, None, None))
             self.wake.notify()
         self.thread.join(5)
+        assert not self.thread.is_alive()
 
 
 def test_a_held_group_lock_is_never_waited_for_and_the_read_goes_on(tier):
@@ -191,8 +198,9 @@ def test_a_read_without_the_lock_declines_a_page_changed_under_it(tier, monkeypa
             holder.run(lambda: tier.relabel(0, [1], [PageRecord(99, None, 0, 0)], durable=False))
         else:
             holder.run(lambda: tier.free(0, [1]))
-            if change != "free":
-                holder.run(lambda: put(tier, [1]))
+            if change != "free":                    # other bytes in the slot: the read may have got either
+                holder.run(lambda: tier.write(0, [1], torch.from_numpy(page_bytes(1001)[None]),
+                                              [PageRecord(1001, None, 0, 0)]))
         return got
     monkeypatch.setattr(disk_mod, "pread_rows", changing)
     try:
@@ -206,9 +214,57 @@ def test_a_read_without_the_lock_declines_a_page_changed_under_it(tier, monkeypa
             tier.read_cached(0, [1], out_for(1))
     else:
         out = out_for(1)
-        assert tier.read_cached(0, [1], out) is True and np.array_equal(out[0].numpy(), page_bytes(1))
-        if change == "relabel":
-            assert tier.record(0, 1).key == 99
+        assert tier.read_cached(0, [1], out) is True
+        assert np.array_equal(out[0].numpy(), page_bytes(1 if change == "relabel" else 1001))
+        assert tier.record(0, 1).key == (99 if change == "relabel" else 1001)
+
+
+def test_a_read_without_the_lock_declines_a_page_gone_before_it_started(tier):
+    put(tier, [0, 1])
+    holder = LockHolder(tier)
+    try:
+        holder.run(lambda: tier.free(0, [1]))
+        assert tier.read_cached(0, [0, 1], out_for(2)) is False
+    finally:
+        holder.release()
+    with pytest.raises(UsageError):
+        tier.read_cached(0, [0, 1], out_for(2))
+
+
+@pytest.mark.parametrize("err", [errno.EBADF, errno.EIO])
+def test_a_read_without_the_lock_declines_an_io_error(tier, monkeypatch, err):
+    """A close may close the fd under an unlocked read (EBADF), or the device fail: the read
+    declines, and the locked read on the thread says what is wrong."""
+    from tiers import disk as disk_mod
+    put(tier, [0, 1])
+    real = disk_mod.pread_rows
+
+    def failing(fd, out, index, offsets, stride, nowait=False):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(disk_mod, "pread_rows", failing)
+    holder = LockHolder(tier)
+    try:
+        assert tier.read_cached(0, [0, 1], out_for(2)) is False
+    finally:
+        holder.release()
+    with pytest.raises(TierIOError):
+        tier.read_cached(0, [0, 1], out_for(2))             # under the lock: raised
+    monkeypatch.setattr(disk_mod, "pread_rows", real)
+    assert tier.read_cached(0, [0, 1], out_for(2)) is True and tier.discarded == []
+
+
+def test_an_injected_fault_is_left_for_the_read_under_the_lock(tier):
+    put(tier, [0, 1])
+    tier.inject_fault("read", errno.EIO)
+    holder = LockHolder(tier)
+    try:
+        out = out_for(2)
+        assert tier.read_cached(0, [0, 1], out) is True      # unlocked: the fault stays queued
+        assert np.array_equal(out[1].numpy(), page_bytes(1))
+    finally:
+        holder.release()
+    with pytest.raises(TierIOError):
+        tier.read_cached(0, [0, 1], out_for(2))
 
 
 def test_damaged_bytes_found_without_the_lock_are_left_to_the_locked_read(tier):

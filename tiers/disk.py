@@ -1719,11 +1719,12 @@ class DiskTier:
         bad = (hashes != expected) & ~short
         return rows[short], rows[bad], tck
 
-    def _read_locked(self, g: _Group, slots: np.ndarray, order: np.ndarray,
-                     out: np.ndarray, nowait: bool = False) -> tuple[list[int], list[int], float, float]:
+    def _read_locked(self, g: _Group, slots: np.ndarray, order: np.ndarray, out: np.ndarray, nowait: bool = False,
+                     faults: bool = True) -> tuple[list[int], list[int], float, float]:
         """Read and verify (``order``: the slots' ascending order); returns (short slots,
         checksum-mismatch slots, io seconds, checksum seconds). ``nowait``: one piece, from the
-        page cache only (``TierIOError`` with errno EAGAIN where it would wait; see ``read_cached``)."""
+        page cache only (``TierIOError`` with errno EAGAIN where it would wait; see ``read_cached``).
+        ``faults=False``: an injected read fault is left for the next read (``inject_fault``)."""
         n = len(slots)
         sorted_slots = slots[order]
         short: list[np.ndarray] = []
@@ -1731,7 +1732,8 @@ class DiskTier:
         tck = 0.0
         t0 = time.perf_counter()
         try:
-            self._fault("read")
+            if faults:
+                self._fault("read")
             parallel = not nowait and (self.o_direct_reads or n * g.stride >= PARALLEL_MIN_BYTES)
             pcs = g.pieces(sorted_slots, split=self.o_direct_reads) if parallel else [(0, n)]
             for sh, bd, t in self._run_pieces(lambda a, b: self._read_piece(g, out, order, sorted_slots, a, b,
@@ -1767,9 +1769,9 @@ class DiskTier:
         """``read``, for a caller that must not block (the event loop): done only if every page is
         in the page cache (True); otherwise False, with ``out`` undefined and nothing else changed,
         and the caller reads on a thread. It never waits for the group's lock: while another thread
-        holds it, the read goes on unlocked and validated (``_read_unlocked``). Errors as ``read``
-        (raised only by a read under the lock). Groups whose writes bypass the page cache (O_DIRECT)
-        always answer False."""
+        holds it, the read goes on unlocked and validated (``_read_unlocked``). Errors as ``read``,
+        raised only by a read under the lock (one without it declines instead). Groups whose writes
+        bypass the page cache (O_DIRECT) always answer False."""
         g = self._group(group)
         if g.direct or self.o_direct_reads or not self._nowait:
             return False
@@ -1790,12 +1792,12 @@ class DiskTier:
         finally:
             g.lock.release()
 
-    def _read_nowait(self, g: _Group, sl: np.ndarray, order: np.ndarray,
-                     arr: np.ndarray) -> tuple[list[int], list[int], float, float] | None:
+    def _read_nowait(self, g: _Group, sl: np.ndarray, order: np.ndarray, arr: np.ndarray,
+                     faults: bool = True) -> tuple[list[int], list[int], float, float] | None:
         """``_read_locked`` from the page cache only; None where that would wait (or cannot be
         done here at all)."""
         try:
-            return self._read_locked(g, sl, order, arr, nowait=True)
+            return self._read_locked(g, sl, order, arr, nowait=True, faults=faults)
         except OSError as e:
             if e.errno == errno.EAGAIN:
                 return None
@@ -1817,7 +1819,9 @@ class DiskTier:
         its bytes can change (a write needs it free). The slots' generations and liveness are read
         before the bytes and checked after; any change, any page short or failing its checksum, or a
         closed or broken group answers False (the read thread redoes the read under the lock, and
-        only it discards pages or raises for bad ones), never a row the tier did not hold."""
+        only it discards pages or raises for bad ones), never a row the tier did not hold. So does
+        an I/O error (a close may have closed the fd under the read), and an injected fault is left
+        for the locked read."""
         if self._closed or g.broken is not None:
             return False
         top = int(sl.max())
@@ -1825,8 +1829,11 @@ class DiskTier:
         if top >= len(live) or top >= len(meta) or not live[sl].all():
             return False
         gens = meta["gen"][sl]              # a copy (fancy index)
-        got = self._read_nowait(g, sl, order, arr)
-        if got is None or got[0] or got[1] or self._closed:
+        try:
+            got = self._read_nowait(g, sl, order, arr, faults=False)
+        except OSError:
+            return False
+        if got is None or got[0] or got[1] or self._closed or g.broken is not None:
             return False
         live, meta = g.live, g.meta
         if not live[sl].all() or not np.array_equal(meta["gen"][sl], gens):

@@ -27,7 +27,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
   require(group_of_.size() == kTiers && capacity.size() == kTiers, "group_of and capacity need a row per tier");
   require(!capacity[GPU].empty(), "the GPU tier needs a pool group");
   int prev = -1;
-  size_t total_slots = 0;
+  size_t total_slots = 0, warm_slots = 0;     // all tiers'; the GPU and host tiers'
   for (int t = 0; t < kTiers; ++t) {
     require(group_of_[t].size() == lcs_.size(), "group_of needs a group per life cycle");
     require(capacity[t].size() < 256, "at most 255 pool groups per tier");
@@ -40,6 +40,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
       queues_[t].emplace_back(int8_t(t), uint8_t(g));
       owners_[t].emplace_back(size_t(capacity[t][g]), -1);
       total_slots += size_t(capacity[t][g]);
+      if (t != DISK) warm_slots += size_t(capacity[t][g]);
     }
     if (!capacity[t].empty()) {
       for (int32_t g : group_of_[t]) require(g >= 0 && size_t(g) < capacity[t].size(), "group out of range");
@@ -65,11 +66,13 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
   pt_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
   index_.reserve(std::min<size_t>(total_slots, size_t(1) << 26));
   index_.presize(std::min<size_t>(total_slots, size_t(1) << 21));       // at most a 16 MiB map up front
-  // and the tables' memory written now for up to prefault_pages pages (88 bytes each with one life
-  // cycle): the GPU and host tiers fill within seconds of traffic, and a request that grew the
-  // tables into fresh memory took the page faults (see PageTable::prefault)
-  pt_.prefault(std::min(total_slots, prefault_pages));
-  index_.prefault(std::min(total_slots, prefault_pages));
+  // and the tables' memory written now for the GPU and host tiers' pages (up to prefault_pages;
+  // 88 bytes a page with one life cycle): those tiers fill within seconds of traffic, and a
+  // request that grew the tables into fresh memory took the page faults (PageTable::prefault).
+  // The disk's pages, which may be many more and fill slowly, are written as they come.
+  const size_t warm = std::min(warm_slots, prefault_pages);
+  pt_.prefault(warm);
+  index_.prefault((warm + lcs_.size() - 1) / lcs_.size());      // a block holds a page per life cycle
 }
 
 Seq& Core::live_seq(int32_t s) {

@@ -43,8 +43,8 @@ namespace kvtier {
 
 using Ids = std::vector<int32_t>;
 
-// The most pages whose table entries a new core writes up front (Core::Core; 88 MiB with one
-// life cycle). Past it, the tables' memory is written as they fill.
+// The most pages whose table entries a new core writes up front (Core::Core: the GPU and host
+// tiers' pages; 88 MiB with one life cycle). Past it, the tables' memory is written as they fill.
 constexpr size_t kPrefaultPages = size_t(1) << 20;
 
 struct Seq {
@@ -137,7 +137,7 @@ class Core {
  public:
   // group_of[tier][lc]: the life cycle's pool group in each tier (-1: tier absent);
   // capacity[tier][group]: slots per group (an absent tier has no groups); the page and block
-  // tables' memory is written up front for min(slots, prefault_pages) pages (see kPrefaultPages).
+  // tables' memory is written up front for min(GPU and host slots, prefault_pages) pages.
   Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std::vector<int32_t>> group_of,
        std::vector<std::vector<int32_t>> capacity, size_t prefault_pages = kPrefaultPages);
 

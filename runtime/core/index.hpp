@@ -153,14 +153,14 @@ class BlockIndex {
 
   size_t table_bytes() const { return table_.capacity() * sizeof(uint32_t); }
 
-  // Room for n blocks without reallocating (address space only: pages are touched as used).
+  // Room for n blocks without reallocating (address space only, but see prefault).
   void reserve(size_t n) {
     blocks.reserve(n);
     pages.reserve(n * size_t(n_lcs_));
   }
 
-  // PageTable::prefault for the block tables: the first n blocks' entries written once, before any
-  // block exists.
+  // PageTable::prefault for the block tables: the first n blocks' entries (and their pages per
+  // life cycle) written once, before any block exists.
   void prefault(size_t n) {
     assert(blocks.empty() && pages.empty());
     blocks.resize(std::min(n, blocks.capacity()));

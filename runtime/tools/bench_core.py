@@ -105,9 +105,13 @@ async def metadata_in_process(n_pages: int, per_request: int = 512) -> dict:
     fill here: a store writes them for up to a million pages when it opens
     (``store.CORE_PREFAULT_PAGES``), which would hide the growth."""
     from .. import store as store_module
-    store_module.CORE_PREFAULT_PAGES = 0
     cfg = _config((n_pages,), None, page=(("k", 8), ("v", 8)))
-    async with Store.open(cfg) as store:
+    saved, store_module.CORE_PREFAULT_PAGES = store_module.CORE_PREFAULT_PAGES, 0
+    try:
+        store = await Store.open(cfg)
+    finally:
+        store_module.CORE_PREFAULT_PAGES = saved
+    try:
         await _requests(store, 0, per_request, per_request)        # warm up allocators and code paths
         before = _rss()
         done = per_request
@@ -117,6 +121,8 @@ async def metadata_in_process(n_pages: int, per_request: int = 512) -> dict:
             done += n
         after = _rss()
         pages = store.stats()["core"]["live_pages"]
+    finally:
+        await store.close()
     per = (after - before) / max(1, pages - per_request)
     return {"bench": f"core: metadata per indexed page ({pages:,} pages)", "value": round(per, 1), "unit": "B",
             "baseline": None, "baseline_is": "", "ratio": None}
