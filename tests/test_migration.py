@@ -602,7 +602,9 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
     appending and syncing them first. A disk where that and a refill step are over 3 % of it
     keeps none, as does a disk reserve of 0. Spills that wait for their writes: written behind,
     the loop runs ahead of the write thread and the commits, and 20-21 of 169 append frees first
-    (off the request's path: nothing waits for a write behind)."""
+    (off the request's path: nothing waits for a write behind). Requests 2 ms apart, as on a
+    server not saturated, so that the committer gets its turns: back to back, how many spills
+    beat the commits to their slots was a race (2-30 of 169 on one machine)."""
     monkeypatch.setattr(migration, "BEHIND_BYTES", 0)
     page = [LayerSpec(0, (("k", 2048), ("v", 2048)))]
     overwrites: dict[float, tuple[int, int]] = {}
@@ -626,6 +628,7 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
             store.disk._append_frees = lambda grp, slots: (appends.append(len(slots)), append_frees(grp, slots))
             for a in range(0, g + h + d + 20_000, 256):
                 await prefill_keys(store, list(range(a, a + 256)))
+                await asyncio.sleep(0.002)
             await store.drain()
             st = store.stats()
             assert st["moves"]["host->disk"]["pages"] > d + 10_000
@@ -633,9 +636,9 @@ async def test_the_disk_keeps_two_spill_batches_free_where_the_store_affords_it(
             overwrites[reserve] = (len(appends), st["moves"]["host->disk"]["batches"])
             store.check_consistency()
     (with_reserve, spills), (without, spills0) = overwrites[0.01], overwrites[0.0]
-    # measured: 3-6 of 169 spills (10-13 under a concurrent load: the background drop and the
-    # commits race the spills) against 41-42 without the reserve (the allocator's order alone)
-    assert with_reserve <= spills // 8, (with_reserve, spills)
+    # measured: 0 of 169 spills (2-30 with no pause between requests: the background drop and
+    # the commits race the spills) against 41-42 without the reserve (the allocator's order alone)
+    assert with_reserve <= spills // 20, (with_reserve, spills)
     assert without >= spills0 // 6, (without, spills0)
 
 
