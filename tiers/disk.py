@@ -1812,7 +1812,7 @@ class DiskTier:
         """``read_cached`` while another thread holds g.lock. The holder is mostly doing bookkeeping
         of other slots (a write's records, a free, a commit's snapshot), held longer than its few
         microseconds whenever it waits for the GIL behind the loop; going to the read thread instead
-        cost a request about 2 ms (a third of the cached reads at concurrency 1 found the lock held).
+        cost a request about 2 ms (one cached read in ten found the lock held at concurrency 1).
 
         So the read goes on without the lock, validated the way a seqlock is: every change to a
         slot's record (write, relabel) gives it a new generation, and a slot stops being live before
