@@ -269,7 +269,7 @@ class MigrationEngine:
         """An emulated copy too large for the loop, on the native copy thread (runtime/copy_thread.py):
         it starts once what it depends on ended (however it ended, as a stream's wait does)."""
         for e in set(deps):
-            if e is not None and not e.query():
+            if e is not None:
                 await ended(e, self.loop)
         t0 = time.perf_counter()                # busy: from issue to completion, as on CUDA
         ev = copier.submit(src, _index(src_slots), dst, _index(dst_slots))

@@ -295,8 +295,7 @@ class Store:
                     list(n["disk"]) if cfg.disk is not None else []]
         lcs = [(lc.kind == "ssm", lc.window_tokens or 0, lc.sink_tokens, _REUSE_CODE[lc.reuse]) for lc in self.lcs]
         group_of = [[g if capacity[t] else -1 for g in row] for t, row in enumerate(self.group_of)]
-        self.core = Core(self.tpb, lcs, group_of, capacity,
-                         **({} if CORE_PREFAULT_PAGES is None else {"prefault_pages": CORE_PREFAULT_PAGES}))
+        self.core = Core(self.tpb, lcs, group_of, capacity, prefault_pages=CORE_PREFAULT_PAGES)
         for t in self.tier_ids:
             # a demotion batch beyond a request's own need (the reserve's, the line's) is at most a
             # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier

@@ -1833,13 +1833,13 @@ class DiskTier:
             got = self._read_nowait(g, sl, order, arr, faults=False)
         except OSError:
             return False
-        if got is None or got[0] or got[1] or self._closed or g.broken is not None:
+        if got is None or self._closed or g.broken is not None:
             return False
-        live, meta = g.live, g.meta
-        if not live[sl].all() or not np.array_equal(meta["gen"][sl], gens):
+        short, bad, tio, tck = got
+        if short or bad or not g.live[sl].all() or not np.array_equal(g.meta["gen"][sl], gens):
             return False
         n = len(sl)
-        self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=got[2], checksum_seconds=got[3],
+        self._add_stats(bytes_read=n * g.slot_bytes, pages_read=n, io_seconds=tio, checksum_seconds=tck,
                         cached_reads=1, unlocked_reads=1)
         return True
 

@@ -195,17 +195,18 @@ NB_MODULE(_core, m) {
       .def("__init__",
            [](Core* c, int32_t tpb, std::vector<std::tuple<bool, int64_t, int64_t, int>> lcs,
               std::vector<std::vector<int32_t>> group_of, std::vector<std::vector<int32_t>> capacity,
-              size_t prefault_pages) {
+              std::optional<size_t> prefault_pages) {
              std::vector<kvtier::LifeCycle> v;
              for (auto& [ssm, window, sinks, reuse] : lcs) {
                if (reuse < 0 || reuse > 3) throw nb::value_error("reuse must be 0..3");
                v.push_back({ssm, window, sinks, kvtier::Reuse(reuse)});
              }
-             new (c) Core(tpb, std::move(v), std::move(group_of), std::move(capacity), prefault_pages);
+             new (c) Core(tpb, std::move(v), std::move(group_of), std::move(capacity),
+                          prefault_pages.value_or(kvtier::kPrefaultPages));
            },
            // the per-slot tables of a large disk tier take milliseconds to build: not with the GIL held
            nb::call_guard<nb::gil_scoped_release>(), "tokens_per_block"_a, "life_cycles"_a, "group_of"_a,
-           "capacity"_a, "prefault_pages"_a = kvtier::kPrefaultPages)
+           "capacity"_a, "prefault_pages"_a = nb::none())     // None: kPrefaultPages
       // -- sequences
       .def("open", [](Core& c, nb::handle keys, int priority) {
              auto r = c.open_seq(to_keys(keys), priority);
