@@ -51,6 +51,11 @@ BEHIND_BYTES = 4 << 20
 BEHIND_LIMIT_BYTES = 64 << 20   # staged rows of writes behind in flight at most: past it a spill waits (backpressure)
 SPILL_CHUNK_BYTES = 32 << 20   # the most one disk write (one batch of the disk tier's queue) of a spill takes
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
+# A copy between the GPU and host slabs in at least this many runs (consecutive on both sides) goes
+# through a staging buffer on the GPU (copy_rows) when that at least halves its copies: one
+# cudaMemcpyAsync moved a 64 KiB page at a fraction of the bus's speed (0.3 of one large copy on
+# an H200, issue 11).
+GATHER_MIN_RUNS = 4
 # upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
 MOVE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1.0, 2.5, 5.0, 10.0)
@@ -163,7 +168,11 @@ def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | No
         return src.index_select(0, index_tensor(slots, device))
     else:
         out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
-    for off, first, n in _runs(slots):
+    runs = _runs(slots)
+    if src.is_cuda and len(runs) >= GATHER_MIN_RUNS:     # one gather kernel on the GPU, then one copy
+        out.copy_(src.index_select(0, index_tensor(slots, src.device)), non_blocking=True)
+        return out
+    for off, first, n in runs:
         out[off:off + n].copy_(src[first:first + n], non_blocking=True)
     return out
 
@@ -183,21 +192,63 @@ def scatter(dst: Rows, slots: Sequence[int], rows: Rows) -> None:
         dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
 
 
+def _joint_runs(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[tuple[int, int]]:
+    """(row offset, length) of each run consecutive in both slot lists."""
+    out, start, n = [], 0, len(src_slots)
+    for i in range(1, n + 1):
+        if i == n or src_slots[i] != src_slots[i - 1] + 1 or dst_slots[i] != dst_slots[i - 1] + 1:
+            out.append((start, i - start))
+            start = i
+    return out
+
+
 def copy_rows(src: Rows, src_slots: Sequence[int], dst: Rows, dst_slots: Sequence[int]) -> None:
-    """``dst[dst_slots] = src[src_slots]`` with no staging: between host
-    rows one native call (a memcpy per row); across devices one copy (one
-    cudaMemcpyAsync) per run consecutive on both sides."""
+    """``dst[dst_slots] = src[src_slots]``: between host rows one native call
+    (a memcpy per row); across devices one copy (one cudaMemcpyAsync) per run
+    consecutive on both sides, or, where the device's slots break those runs
+    up (demoted pages lie all over the GPU slab), through a staging buffer
+    on the device (``_copy_via_device``)."""
     host_src, host_dst = _host(src), _host(dst)
     if host_src is not None and host_dst is not None:
         _copy_rows(host_src, _index(src_slots), host_dst, _index(dst_slots))
         return
-    i, n = 0, len(src_slots)
-    while i < n:
-        j = i + 1
-        while j < n and src_slots[j] == src_slots[j - 1] + 1 and dst_slots[j] == dst_slots[j - 1] + 1:
-            j += 1
-        dst[dst_slots[i]:dst_slots[i] + j - i].copy_(src[src_slots[i]:src_slots[i] + j - i], non_blocking=True)
-        i = j
+    runs = _joint_runs(src_slots, dst_slots)
+    if (host_src is None) != (host_dst is None):
+        host_runs = _staging_plan(runs, dst_slots if host_src is None else src_slots)
+        if host_runs is not None:
+            _copy_via_device(src, src_slots, dst, dst_slots, host_runs, to_host=host_src is None)
+            return
+    for off, n in runs:
+        dst[dst_slots[off]:dst_slots[off] + n].copy_(src[src_slots[off]:src_slots[off] + n], non_blocking=True)
+
+
+def _staging_plan(joint_runs: list[tuple[int, int]], host_slots: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """The runs of the host side's slots when a copy in ``joint_runs`` should
+    go through a staging buffer on the device (it at least halves the
+    copies), else None."""
+    if len(joint_runs) < GATHER_MIN_RUNS:
+        return None
+    host_runs = _runs(host_slots)
+    return host_runs if len(host_runs) * 2 <= len(joint_runs) else None
+
+
+def _copy_via_device(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int],
+                     host_runs: list[tuple[int, int, int]], to_host: bool) -> None:
+    """A copy between a device slab and a host slab with one gather (or,
+    ``to_host`` False, scatter) kernel on the device's side and one copy per
+    run of the host side's slots (``host_runs``, as ``_runs`` gives them),
+    through a staging buffer on the device. The staging comes from torch's
+    caching allocator on the current (copy) stream, so it is not reused
+    before the copies issued here ran."""
+    if to_host:
+        rows = src.index_select(0, index_tensor(src_slots, src.device))
+        for off, first, n in host_runs:
+            dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
+    else:
+        rows = torch.empty((len(src_slots), src.shape[1]), dtype=src.dtype, device=dst.device)
+        for off, first, n in host_runs:
+            rows[off:off + n].copy_(src[first:first + n], non_blocking=True)
+        dst.index_copy_(0, index_tensor(dst_slots, dst.device), rows)
 
 
 def _rows_of(*pools) -> tuple:

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-check-") as tmp:
         for page, n in ((64 << 10, 4096), (256 << 10, 2048), (2 << 20, 512)):
             rows += run(bench_moves(page, n, tempfile.mkdtemp(dir=tmp)))
+        rows += run(bench_moves(64 << 10, 4096, tempfile.mkdtemp(dir=tmp), scattered=True))
     print()
     print(f"kvtier gpu_check on {name}: tests {'passed' if tests_rc == 0 else 'FAILED'} "
           f"in {test_secs:.0f} s")

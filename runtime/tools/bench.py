@@ -3,7 +3,8 @@ raw limits measured in the same run, on the same machine.
 
 - ``gpu->host`` / ``host->gpu``: pages moved by the migration engine (batches
   of 64, as concurrent requests produce them) against one plain tensor copy of
-  the same bytes between the same two memories.
+  the same bytes between the same two memories; ``scattered``: each batch's
+  pages lie all over the GPU slab, as demoted pages do.
 - ``host->disk`` / ``disk->host``: spill and recall through the engine and the
   disk tier (checksums, journal, fdatasync per batch) against a plain
   sequential file write (+fdatasync) and read of the same bytes.
@@ -18,15 +19,18 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import random
 import tempfile
 import time
 
 import torch
+import xxhash
 
 from tiers.config import DiskConfig, GpuConfig, HostConfig, StoreConfig
-from tiers.errors import UsageError
+from tiers.errors import CorruptPageError, UsageError
 from tiers.layers import LayerSpec
 
+from ..core import Pages
 from ..lag import LoopLagMonitor
 from ..pages import DISK, GPU, HOST
 from ..store import Store
@@ -134,12 +138,18 @@ def _raw_file(path: str, nbytes: int, chunk: int = 8 << 20, durable: bool = True
     return best_w, best_r
 
 
-async def bench_moves(page_bytes: int, n_pages: int, directory: str) -> list[dict]:
+async def bench_moves(page_bytes: int, n_pages: int, directory: str, scattered: bool = False) -> list[dict]:
+    """The four directions' rows for ``n_pages`` pages of ``page_bytes``.
+    ``scattered``: each batch takes pages from all over the GPU slab (a
+    seeded shuffle), as demotions of least recently used pages do, while its
+    host slots stay runs; else batches are runs of slots on both sides."""
     half = page_bytes // 2
+    # no reserves: background demotion would claim pages of the full GPU that the moves below claim
     cfg = StoreConfig(layers=[LayerSpec(0, (("k", half), ("v", half)))], tokens_per_block=16,
-                      gpu=GpuConfig(slots=n_pages, device="auto"), host=HostConfig(slots=n_pages),
-                      disk=DiskConfig(path=directory, slots=n_pages, fsync=True), persist_on_close=False)
+                      gpu=GpuConfig(slots=n_pages, device="auto", reserve=0), host=HostConfig(slots=n_pages, reserve=0),
+                      disk=DiskConfig(path=directory, slots=n_pages, fsync=True, reserve=0), persist_on_close=False)
     nbytes = page_bytes * n_pages
+    label, how = _size(page_bytes), ", scattered" if scattered else ""
     rows = []
     async with Store.open(cfg) as store:
         dev = store.device
@@ -148,6 +158,11 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str) -> list[dic
         before = _raw_copy(nbytes, dev.torch_device, dev.pin_host) + \
             _raw_file(os.path.join(directory, "raw.bin"), nbytes, chunk=BATCH * page_bytes)
         pages = await _fill(store, n_pages)
+        written = _row_digests(store.slabs[GPU][0].tensor)
+        if scattered:
+            ids = pages.tolist()
+            random.Random(0).shuffle(ids)
+            pages = Pages(ids)
         await _move_all(store, pages, HOST)           # warm-up: fault the host slab in
         await _move_all(store, pages, GPU)
         lag = LoopLagMonitor(0.002).start()
@@ -158,23 +173,30 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str) -> list[dic
         from_disk = await _move_all(store, pages, HOST)
         up = await _move_all(store, pages, GPU)
         await lag.stop()
+        if _row_digests(store.slabs[GPU][0].tensor) != written:     # every page back, in some slot
+            raise CorruptPageError(f"bench: {label}{how} pages moved through every tier came back changed")
         after = _raw_copy(nbytes, dev.torch_device, dev.pin_host) + \
             _raw_file(os.path.join(directory, "raw.bin"), nbytes, chunk=BATCH * page_bytes)
         raw_down, raw_up, raw_w, raw_r = map(max, before, after)
-        label = _size(page_bytes)
         where = "cuda" if dev.is_cuda else "cpu"
         for name, secs, raw, base in (("gpu->host", down, raw_down, f"one {where} tensor copy"),
                                       ("host->gpu", up, raw_up, f"one {where} tensor copy"),
                                       ("host->disk", to_disk, raw_w, "best sequential write+fdatasync"),
                                       ("disk->host", from_disk, raw_r, "best sequential read")):
             got = _gbps(nbytes, secs)
-            rows.append({"bench": f"{name} {label} pages", "value": round(got, 3), "unit": "GB/s",
+            rows.append({"bench": f"{name} {label} pages{how}", "value": round(got, 3), "unit": "GB/s",
                          "baseline": round(raw, 3), "baseline_is": base, "ratio": round(got / raw, 3) if raw else None})
         lag_ms = lag.percentiles_ms()
         for q in ("p99", "max"):
-            rows.append({"bench": f"loop lag {q} during moves ({label})", "value": lag_ms[q],
+            rows.append({"bench": f"loop lag {q} during moves ({label}{how})", "value": lag_ms[q],
                          "unit": "ms", "baseline": None, "baseline_is": "", "ratio": None})
     return rows
+
+
+def _row_digests(slab: torch.Tensor) -> list[int]:
+    """The slab's rows as sorted digests: equal when the same pages lie in it, in whatever slots."""
+    host = slab.cpu().numpy()
+    return sorted(xxhash.xxh3_64_intdigest(row) for row in host)
 
 
 def _drop_disk_cache(store: Store) -> None:
@@ -273,6 +295,8 @@ def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
         for page, n in sizes:
             sub = tempfile.mkdtemp(dir=tmp)
             rows += run(bench_moves(page, n, sub))
+        if not quick:
+            rows += run(bench_moves(64 << 10, 2048, tempfile.mkdtemp(dir=tmp), scattered=True))
         replayed = run(bench_replay(trace or default_trace(), 300 if quick else None, tempfile.mkdtemp(dir=tmp)))
         rows.append(replayed)
         rows.append({"bench": "replay lean bound (its tiered LRU, bookkeeping only)",

@@ -1,0 +1,145 @@
+"""Copies between the GPU and host slabs through a staging buffer on the GPU
+(runtime/migration.py: ``copy_rows``, ``_staging_plan``, ``_copy_via_device``,
+``gather``): one gather or scatter kernel on the device's side and a copy per
+run of the host's slots, instead of a copy per run consecutive on both sides.
+
+The staging path is device-agnostic torch: here it runs with the slab of the
+"device" on the test device (the CPU unless ``KVTIER_TEST_DEVICE=cuda``), so
+the slicing is checked byte for byte on every machine; on a GPU the same tests
+run the CUDA kernels and copies."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime import migration
+from runtime.migration import _copy_via_device, _joint_runs, _runs, _staging_plan, copy_rows, gather
+
+from helpers import DEVICE
+
+DEV = torch.device(DEVICE)
+ROWS, WIDTH = 256, 96
+
+
+def _sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _host_slab(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (ROWS, WIDTH), dtype=torch.uint8, generator=g)
+
+
+def _slots(rng: random.Random, n: int, contiguous: bool) -> list[int]:
+    if contiguous:
+        first = rng.randrange(ROWS - n)
+        return list(range(first, first + n))
+    return sorted(rng.sample(range(ROWS), n))
+
+
+def test_joint_runs_break_where_either_side_breaks():
+    assert _joint_runs([1, 2, 3, 7, 8], [10, 11, 13, 14, 15]) == [(0, 2), (2, 1), (3, 2)]
+    assert _joint_runs([], []) == []
+    assert _runs([4, 5, 9]) == [(0, 4, 2), (2, 9, 1)]
+
+
+def test_staging_on_the_device_only_where_it_at_least_halves_the_copies():
+    scattered = list(range(0, 64, 2))                  # 32 runs on the device's side
+    host_run = list(range(100, 132))                   # one run on the host's
+    assert _staging_plan(_joint_runs(scattered, host_run), host_run) == [(0, 100, 32)]
+    host_scattered = list(range(100, 164, 2))
+    assert _staging_plan(_joint_runs(scattered, host_scattered), host_scattered) is None
+    few = [0, 2, 4]                                    # under GATHER_MIN_RUNS: copied as they are
+    assert migration.GATHER_MIN_RUNS > 3
+    assert _staging_plan(_joint_runs(few, [0, 1, 2]), [0, 1, 2]) is None
+    # 8 joint runs, 4 on the host's side: exactly half goes through the device
+    dev8 = [0, 2, 4, 6, 8, 10, 12, 14]
+    host4 = [0, 1, 3, 4, 6, 7, 9, 10]
+    assert len(_joint_runs(dev8, host4)) == 8
+    assert _staging_plan(_joint_runs(dev8, host4), host4) == [(0, 0, 2), (2, 3, 2), (4, 6, 2), (6, 9, 2)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_to_host_through_a_gather_lands_every_byte(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(8, 120)
+    src_host = _host_slab(seed)
+    src = src_host.to(DEV)
+    dst = torch.zeros((ROWS, WIDTH), dtype=torch.uint8)
+    src_slots = _slots(rng, n, contiguous=False)
+    dst_slots = _slots(rng, n, contiguous=seed % 2 == 0)
+    _copy_via_device(src, src_slots, dst, dst_slots, _runs(dst_slots), to_host=True)
+    _sync()
+    assert torch.equal(dst[dst_slots], src_host[src_slots])
+    untouched = sorted(set(range(ROWS)) - set(dst_slots))
+    assert not dst[untouched].any()                    # nothing written past the batch's slots
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_to_device_through_a_scatter_lands_every_byte(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randrange(8, 120)
+    src = _host_slab(seed)
+    dst = torch.zeros((ROWS, WIDTH), dtype=torch.uint8, device=DEV)
+    src_slots = _slots(rng, n, contiguous=seed % 2 == 0)
+    dst_slots = _slots(rng, n, contiguous=False)
+    _copy_via_device(src, src_slots, dst, dst_slots, _runs(src_slots), to_host=False)
+    _sync()
+    got = dst.cpu()
+    assert torch.equal(got[dst_slots], src[src_slots])
+    untouched = sorted(set(range(ROWS)) - set(dst_slots))
+    assert not got[untouched].any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="copy_rows and gather take the staging path across devices only")
+@pytest.mark.parametrize("contiguous_host", [True, False])
+def test_copy_rows_and_gather_across_devices_land_every_byte(contiguous_host):
+    rng = random.Random(7)
+    host = _host_slab(7).pin_memory()
+    gpu = _host_slab(8).to(DEV)
+    expect_gpu = gpu.cpu()
+    for _ in range(20):
+        n = rng.randrange(4, 100)
+        gpu_slots = _slots(rng, n, contiguous=False)
+        host_slots = _slots(rng, n, contiguous=contiguous_host)
+        copy_rows(gpu, gpu_slots, host, host_slots)                  # down
+        _sync()
+        assert torch.equal(host[host_slots], expect_gpu[gpu_slots])
+        back = _slots(rng, n, contiguous=False)
+        copy_rows(host, host_slots, gpu, back)                       # up
+        _sync()
+        expect_gpu[back] = host[host_slots]
+        assert torch.equal(gpu.cpu(), expect_gpu)
+        out = torch.empty((n, WIDTH), dtype=torch.uint8).pin_memory()
+        gather(gpu, gpu_slots, torch.device("cpu"), out=out)        # GPU rows into a disk write's staging
+        _sync()
+        assert torch.equal(out, expect_gpu[gpu_slots])
+
+
+async def test_the_move_benchmark_fills_every_slot_and_checks_every_page_it_moved(tmp_path, monkeypatch):
+    """``bench_moves`` on a full store (its GPU as large as its pages, where a background reserve
+    once claimed pages under the benchmark's own moves) in scattered batches; its check of the
+    pages that come back catches one flipped byte."""
+    from tiers.errors import CorruptPageError
+    from runtime.tools.bench import bench_moves
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    rows = await bench_moves(4 << 10, 2048, str(tmp_path / "a"), scattered=True)
+    by_name = {r["bench"]: r for r in rows}
+    for direction in ("gpu->host", "host->gpu", "host->disk", "disk->host"):
+        row = by_name[f"{direction} 4 KiB pages, scattered"]
+        assert row["value"] > 0 and row["baseline"] > 0
+    real, flipped = migration.copy_rows, []
+
+    def corrupting(src, src_slots, dst, dst_slots):
+        real(src, src_slots, dst, dst_slots)
+        if not flipped:
+            dst[dst_slots[0], 0] ^= 1
+            flipped.append(dst_slots[0])
+    monkeypatch.setattr(migration, "copy_rows", corrupting)
+    with pytest.raises(CorruptPageError, match="came back changed"):
+        await bench_moves(4 << 10, 2048, str(tmp_path / "b"))
+    assert flipped
