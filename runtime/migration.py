@@ -56,6 +56,7 @@ STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
 # cudaMemcpyAsync moved a 64 KiB page at a fraction of the bus's speed (0.3 of one large copy on
 # an H200, issue 11).
 GATHER_MIN_RUNS = 4
+GATHER_MAX_BYTES = 32 << 20     # the most GPU memory that staging takes (larger pages copy near the bus's speed)
 # upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
 MOVE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1.0, 2.5, 5.0, 10.0)
@@ -169,9 +170,12 @@ def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | No
     else:
         out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
     runs = _runs(slots)
-    if src.is_cuda and len(runs) >= GATHER_MIN_RUNS:     # one gather kernel on the GPU, then one copy
-        out.copy_(src.index_select(0, index_tensor(slots, src.device)), non_blocking=True)
-        return out
+    if src.is_cuda and len(runs) >= GATHER_MIN_RUNS and out.numel() <= GATHER_MAX_BYTES:
+        try:                            # one gather kernel on the GPU, then one copy
+            out.copy_(src.index_select(0, index_tensor(slots, src.device)), non_blocking=True)
+            return out
+        except torch.cuda.OutOfMemoryError:
+            pass
     for off, first, n in runs:
         out[off:off + n].copy_(src[first:first + n], non_blocking=True)
     return out
@@ -213,11 +217,14 @@ def copy_rows(src: Rows, src_slots: Sequence[int], dst: Rows, dst_slots: Sequenc
         _copy_rows(host_src, _index(src_slots), host_dst, _index(dst_slots))
         return
     runs = _joint_runs(src_slots, dst_slots)
-    if (host_src is None) != (host_dst is None):
+    if (host_src is None) != (host_dst is None) and len(src_slots) * src.shape[1] <= GATHER_MAX_BYTES:
         host_runs = _staging_plan(runs, dst_slots if host_src is None else src_slots)
         if host_runs is not None:
-            _copy_via_device(src, src_slots, dst, dst_slots, host_runs, to_host=host_src is None)
-            return
+            try:
+                _copy_via_device(src, src_slots, dst, dst_slots, host_runs, to_host=host_src is None)
+                return
+            except torch.cuda.OutOfMemoryError:      # a GPU full of other work: the copies need no memory
+                pass
     for off, n in runs:
         dst[dst_slots[off]:dst_slots[off] + n].copy_(src[src_slots[off]:src_slots[off] + n], non_blocking=True)
 

@@ -6,7 +6,9 @@ run of the host's slots, instead of a copy per run consecutive on both sides.
 The staging path is device-agnostic torch: here it runs with the slab of the
 "device" on the test device (the CPU unless ``KVTIER_TEST_DEVICE=cuda``), so
 the slicing is checked byte for byte on every machine; on a GPU the same tests
-run the CUDA kernels and copies."""
+run the CUDA kernels and copies. ``copy_rows``'s choice (staging, run copies,
+the byte cap, the fallback when the GPU is out of memory) runs on any machine
+with a CPU tensor counted as device memory."""
 from __future__ import annotations
 
 import random
@@ -143,3 +145,66 @@ async def test_the_move_benchmark_fills_every_slot_and_checks_every_page_it_move
     with pytest.raises(CorruptPageError, match="came back changed"):
         await bench_moves(4 << 10, 2048, str(tmp_path / "b"))
     assert flipped
+
+
+@pytest.fixture
+def as_device(monkeypatch):
+    """Makes ``copy_rows`` treat the tensors passed in as device memory (``migration._host``
+    gives None for them), so that its cross-device branch runs on any machine."""
+    devices: list[torch.Tensor] = []
+    real = migration._host
+    monkeypatch.setattr(migration, "_host", lambda t: None if any(t is d for d in devices) else real(t))
+    return devices.append
+
+
+@pytest.fixture
+def staged(monkeypatch) -> list:
+    """The calls that went through the device's staging buffer."""
+    calls, real = [], migration._copy_via_device
+
+    def spy(*args, **kw):
+        calls.append(kw["to_host"])
+        real(*args, **kw)
+    monkeypatch.setattr(migration, "_copy_via_device", spy)
+    return calls
+
+
+def _cross_copy(rng: random.Random, as_device, n: int, host_contiguous: bool):
+    """A down copy then an up copy between a "device" slab and a host slab; both checked."""
+    dev, host = _host_slab(1), torch.zeros((ROWS, WIDTH), dtype=torch.uint8)
+    as_device(dev)
+    expect = dev.clone()
+    dev_slots, host_slots = _slots(rng, n, contiguous=False), _slots(rng, n, contiguous=host_contiguous)
+    copy_rows(dev, dev_slots, host, host_slots)
+    assert torch.equal(host[host_slots], expect[dev_slots])
+    back = _slots(rng, n, contiguous=False)
+    copy_rows(host, host_slots, dev, back)
+    expect[back] = host[host_slots]
+    assert torch.equal(dev, expect)
+
+
+def test_copy_rows_stages_on_the_device_when_the_host_side_is_in_runs(as_device, staged):
+    _cross_copy(random.Random(3), as_device, 64, host_contiguous=True)
+    assert staged == [True, False]                     # down through a gather, up through a scatter
+
+
+def test_copy_rows_copies_run_by_run_when_staging_would_not_halve_the_copies(as_device, staged):
+    _cross_copy(random.Random(4), as_device, 64, host_contiguous=False)
+    assert staged == []
+
+
+def test_copy_rows_stages_no_more_than_its_byte_cap(as_device, staged, monkeypatch):
+    monkeypatch.setattr(migration, "GATHER_MAX_BYTES", 63 * WIDTH)
+    _cross_copy(random.Random(5), as_device, 64, host_contiguous=True)
+    assert staged == []
+
+
+def test_copy_rows_falls_back_to_run_copies_when_the_device_is_out_of_memory(as_device, monkeypatch):
+    tried = []
+
+    def full(*args, **kw):
+        tried.append(kw["to_host"])
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(migration, "_copy_via_device", full)
+    _cross_copy(random.Random(6), as_device, 64, host_contiguous=True)
+    assert tried == [True, False]
