@@ -51,12 +51,13 @@ BEHIND_BYTES = 4 << 20
 BEHIND_LIMIT_BYTES = 64 << 20   # staged rows of writes behind in flight at most: past it a spill waits (backpressure)
 SPILL_CHUNK_BYTES = 32 << 20   # the most one disk write (one batch of the disk tier's queue) of a spill takes
 STAGING_IDLE_BYTES = 256 << 20  # reusable staging buffers kept between moves
-# A copy between the GPU and host slabs in at least this many runs (consecutive on both sides) goes
-# through a staging buffer on the GPU (copy_rows) when that at least halves its copies: one
-# cudaMemcpyAsync moved a 64 KiB page at a fraction of the bus's speed (0.3 of one large copy on
-# an H200, issue 11).
-GATHER_MIN_RUNS = 4
-GATHER_MAX_BYTES = 32 << 20     # the most GPU memory that staging takes (larger pages copy near the bus's speed)
+# A copy between the GPU and host slabs whose slots break into many runs goes through a staging
+# buffer on the GPU (copy_rows, _staging_plan): one cudaMemcpyAsync moved a 64 KiB page at a
+# fraction of the bus's speed (0.3 of one large copy on an H200, issue 11). The staging takes at
+# most this much GPU memory, from torch's caching allocator on the copy stream (which keeps it
+# cached for that stream); larger pages copy near the bus's speed one by one anyway.
+GATHER_MAX_BYTES = 32 << 20
+STAGING_OOM_PAUSE = 1.0         # seconds without staging after the GPU had no memory for it
 # upper bounds (seconds) of the batch latency histogram; one more bucket counts what lies above the last
 MOVE_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1.0, 2.5, 5.0, 10.0)
@@ -170,12 +171,12 @@ def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | No
     else:
         out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
     runs = _runs(slots)
-    if src.is_cuda and len(runs) >= GATHER_MIN_RUNS and out.numel() <= GATHER_MAX_BYTES:
+    if _host(src) is None and len(runs) >= 4 and _nbytes(out) <= GATHER_MAX_BYTES and _staging_allowed():
         try:                            # one gather kernel on the GPU, then one copy
-            out.copy_(src.index_select(0, index_tensor(slots, src.device)), non_blocking=True)
+            out.copy_(_gather_on_device(src, slots), non_blocking=True)
             return out
         except torch.cuda.OutOfMemoryError:
-            pass
+            _staging_failed()
     for off, first, n in runs:
         out[off:off + n].copy_(src[first:first + n], non_blocking=True)
     return out
@@ -217,26 +218,58 @@ def copy_rows(src: Rows, src_slots: Sequence[int], dst: Rows, dst_slots: Sequenc
         _copy_rows(host_src, _index(src_slots), host_dst, _index(dst_slots))
         return
     runs = _joint_runs(src_slots, dst_slots)
-    if (host_src is None) != (host_dst is None) and len(src_slots) * src.shape[1] <= GATHER_MAX_BYTES:
+    if (host_src is None) != (host_dst is None) and len(src_slots) * src[0].nbytes <= GATHER_MAX_BYTES:
         host_runs = _staging_plan(runs, dst_slots if host_src is None else src_slots)
-        if host_runs is not None:
+        if host_runs is not None and _staging_allowed():
             try:
                 _copy_via_device(src, src_slots, dst, dst_slots, host_runs, to_host=host_src is None)
                 return
             except torch.cuda.OutOfMemoryError:      # a GPU full of other work: the copies need no memory
-                pass
+                _staging_failed()
     for off, n in runs:
         dst[dst_slots[off]:dst_slots[off] + n].copy_(src[src_slots[off]:src_slots[off] + n], non_blocking=True)
 
 
 def _staging_plan(joint_runs: list[tuple[int, int]], host_slots: Sequence[int]) -> list[tuple[int, int, int]] | None:
     """The runs of the host side's slots when a copy in ``joint_runs`` should
-    go through a staging buffer on the device (it at least halves the
-    copies), else None."""
-    if len(joint_runs) < GATHER_MIN_RUNS:
+    go through a staging buffer on the device, else None: when a copy per
+    host run plus the index's upload and the kernel come to at most half
+    the copies of one per joint run."""
+    if len(joint_runs) < 4:
         return None
     host_runs = _runs(host_slots)
-    return host_runs if len(host_runs) * 2 <= len(joint_runs) else None
+    return host_runs if len(host_runs) * 2 + 2 <= len(joint_runs) else None
+
+
+_staging_off_until = 0.0      # after an out-of-memory: each try frees torch's cache and syncs the device
+
+
+def _staging_allowed() -> bool:
+    return _staging_off_until == 0.0 or time.monotonic() >= _staging_off_until
+
+
+def _staging_failed() -> None:
+    global _staging_off_until
+    _staging_off_until = time.monotonic() + STAGING_OOM_PAUSE
+    log.info("no GPU memory for a copy's staging: copying run by run for %.1f s", STAGING_OOM_PAUSE)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A slab's rows as int64 where they allow it: the gather and scatter kernels then move
+    eight bytes an element, not one."""
+    if t.dtype == torch.uint8 and t.dim() == 2 and t.shape[1] % 8 == 0 and t.is_contiguous() \
+            and t.data_ptr() % 8 == 0:
+        return t.view(torch.int64)
+    return t
+
+
+def _gather_on_device(src: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
+    """Rows ``slots`` of ``src`` in a new tensor on ``src``'s device (one kernel), as ``src``'s dtype."""
+    return _wide(src).index_select(0, index_tensor(slots, src.device)).view(src.dtype)
 
 
 def _copy_via_device(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int],
@@ -246,16 +279,19 @@ def _copy_via_device(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Ten
     run of the host side's slots (``host_runs``, as ``_runs`` gives them),
     through a staging buffer on the device. The staging comes from torch's
     caching allocator on the current (copy) stream, so it is not reused
-    before the copies issued here ran."""
+    before the copies issued here ran. Every allocation comes before the
+    first write into ``dst``: out of memory leaves it untouched."""
     if to_host:
-        rows = src.index_select(0, index_tensor(src_slots, src.device))
+        rows = _gather_on_device(src, src_slots)
         for off, first, n in host_runs:
             dst[first:first + n].copy_(rows[off:off + n], non_blocking=True)
     else:
         rows = torch.empty((len(src_slots), src.shape[1]), dtype=src.dtype, device=dst.device)
+        idx = index_tensor(dst_slots, dst.device)
         for off, first, n in host_runs:
             rows[off:off + n].copy_(src[first:first + n], non_blocking=True)
-        dst.index_copy_(0, index_tensor(dst_slots, dst.device), rows)
+        wide = _wide(dst)
+        wide.index_copy_(0, idx, rows.view(wide.dtype))
 
 
 def _rows_of(*pools) -> tuple:

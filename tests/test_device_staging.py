@@ -12,6 +12,7 @@ with a CPU tensor counted as device memory."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -54,14 +55,15 @@ def test_staging_on_the_device_only_where_it_at_least_halves_the_copies():
     assert _staging_plan(_joint_runs(scattered, host_run), host_run) == [(0, 100, 32)]
     host_scattered = list(range(100, 164, 2))
     assert _staging_plan(_joint_runs(scattered, host_scattered), host_scattered) is None
-    few = [0, 2, 4]                                    # under GATHER_MIN_RUNS: copied as they are
-    assert migration.GATHER_MIN_RUNS > 3
+    few = [0, 2, 4]                                    # three copies: as they are
     assert _staging_plan(_joint_runs(few, [0, 1, 2]), [0, 1, 2]) is None
-    # 8 joint runs, 4 on the host's side: exactly half goes through the device
+    # 8 joint runs: 3 host runs (+ the index's upload and the kernel) stage, 4 do not
     dev8 = [0, 2, 4, 6, 8, 10, 12, 14]
+    host3 = [0, 1, 2, 4, 5, 6, 8, 9]
     host4 = [0, 1, 3, 4, 6, 7, 9, 10]
-    assert len(_joint_runs(dev8, host4)) == 8
-    assert _staging_plan(_joint_runs(dev8, host4), host4) == [(0, 0, 2), (2, 3, 2), (4, 6, 2), (6, 9, 2)]
+    assert len(_joint_runs(dev8, host3)) == len(_joint_runs(dev8, host4)) == 8
+    assert _staging_plan(_joint_runs(dev8, host3), host3) == [(0, 0, 3), (3, 4, 3), (6, 8, 2)]
+    assert _staging_plan(_joint_runs(dev8, host4), host4) is None
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -124,11 +126,11 @@ def test_copy_rows_and_gather_across_devices_land_every_byte(contiguous_host):
 async def test_the_move_benchmark_fills_every_slot_and_checks_every_page_it_moved(tmp_path, monkeypatch):
     """``bench_moves`` on a full store (its GPU as large as its pages, where a background reserve
     once claimed pages under the benchmark's own moves) in scattered batches; its check of the
-    pages that come back catches one flipped byte."""
+    pages that come back catches one flipped byte, and one copy up that never happened."""
     from tiers.errors import CorruptPageError
     from runtime.tools.bench import bench_moves
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
     rows = await bench_moves(4 << 10, 2048, str(tmp_path / "a"), scattered=True)
     by_name = {r["bench"]: r for r in rows}
     for direction in ("gpu->host", "host->gpu", "host->disk", "disk->host"):
@@ -145,6 +147,19 @@ async def test_the_move_benchmark_fills_every_slot_and_checks_every_page_it_move
     with pytest.raises(CorruptPageError, match="came back changed"):
         await bench_moves(4 << 10, 2048, str(tmp_path / "b"))
     assert flipped
+    gpu, into_gpu = [], []
+
+    def dropping(src, src_slots, dst, dst_slots):
+        gpu[:] = gpu or [src]                     # the first copy is the warm-up's, from the GPU
+        if dst is gpu[0]:
+            into_gpu.append(len(dst_slots))
+            if len(into_gpu) == 2048 // 64 + 1:   # the first copy up of the timed pass: lost
+                return
+        real(src, src_slots, dst, dst_slots)
+    monkeypatch.setattr(migration, "copy_rows", dropping)
+    with pytest.raises(CorruptPageError, match="came back changed"):
+        await bench_moves(4 << 10, 2048, str(tmp_path / "c"))
+    assert len(into_gpu) == 2 * 2048 // 64
 
 
 @pytest.fixture
@@ -153,6 +168,7 @@ def as_device(monkeypatch):
     gives None for them), so that its cross-device branch runs on any machine."""
     devices: list[torch.Tensor] = []
     real = migration._host
+    monkeypatch.setattr(migration, "_staging_off_until", 0.0)     # no pause left by an earlier test
     monkeypatch.setattr(migration, "_host", lambda t: None if any(t is d for d in devices) else real(t))
     return devices.append
 
@@ -200,11 +216,43 @@ def test_copy_rows_stages_no_more_than_its_byte_cap(as_device, staged, monkeypat
 
 
 def test_copy_rows_falls_back_to_run_copies_when_the_device_is_out_of_memory(as_device, monkeypatch):
+    """Out of memory: this copy goes run by run, and so do the next ones for a while (each try
+    would free torch's cache and wait for the device); then staging is tried again."""
     tried = []
 
     def full(*args, **kw):
         tried.append(kw["to_host"])
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
     monkeypatch.setattr(migration, "_copy_via_device", full)
+    monkeypatch.setattr(migration, "STAGING_OOM_PAUSE", 3600.0)
     _cross_copy(random.Random(6), as_device, 64, host_contiguous=True)
-    assert tried == [True, False]
+    assert tried == [True]                             # the copy up, in the pause, did not try
+    monkeypatch.setattr(migration, "_staging_off_until", time.monotonic() - 1)
+    _cross_copy(random.Random(7), as_device, 64, host_contiguous=True)
+    assert tried == [True, True]
+
+
+def test_the_device_gather_moves_eight_bytes_an_element_where_rows_allow():
+    rows = _host_slab(9)
+    assert migration._wide(rows).dtype == torch.int64
+    assert migration._wide(rows[:, 1:]).dtype == torch.uint8          # not contiguous
+    assert migration._wide(torch.zeros((4, 12), dtype=torch.uint8)).dtype == torch.uint8
+    slots = [5, 1, 200, 7]
+    got = migration._gather_on_device(rows, slots)
+    assert got.dtype == torch.uint8 and torch.equal(got, rows[slots])
+
+
+def test_gather_of_scattered_device_rows_into_a_host_buffer_is_one_kernel_and_one_copy(as_device, monkeypatch):
+    """The disk's path from the GPU: rows of a device slab into a spill's host staging."""
+    dev = _host_slab(10)
+    as_device(dev)
+    used, real = [], migration._gather_on_device
+    monkeypatch.setattr(migration, "_gather_on_device", lambda *a: used.append(1) or real(*a))
+    rng = random.Random(11)
+    for n, expect_kernel in ((64, True), (3, False)):   # three runs or fewer: copied as they are
+        slots = _slots(rng, n, contiguous=False)
+        out = torch.zeros((n, WIDTH), dtype=torch.uint8)
+        assert gather(dev, slots, torch.device("cpu"), out=out) is out
+        assert torch.equal(out, dev[slots])
+        assert bool(used) == expect_kernel
+        used.clear()

@@ -158,7 +158,7 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str, scattered: 
         before = _raw_copy(nbytes, dev.torch_device, dev.pin_host) + \
             _raw_file(os.path.join(directory, "raw.bin"), nbytes, chunk=BATCH * page_bytes)
         pages = await _fill(store, n_pages)
-        written = _row_digests(store.slabs[GPU][0].tensor)
+        written = _page_digests(store)
         if scattered:
             ids = pages.tolist()
             random.Random(0).shuffle(ids)
@@ -167,13 +167,14 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str, scattered: 
         await _move_all(store, pages, GPU)
         lag = LoopLagMonitor(0.002).start()
         down = await _move_all(store, pages, HOST)
+        store.slabs[GPU][0].tensor.fill_(0xA5)        # what comes back up must be copied there
         to_disk = await _move_all(store, pages, DISK)
         if store.disk is not None:
             await asyncio.to_thread(_drop_disk_cache, store)
         from_disk = await _move_all(store, pages, HOST)
         up = await _move_all(store, pages, GPU)
         await lag.stop()
-        if _row_digests(store.slabs[GPU][0].tensor) != written:     # every page back, in some slot
+        if _page_digests(store) != written:
             raise CorruptPageError(f"bench: {label}{how} pages moved through every tier came back changed")
         after = _raw_copy(nbytes, dev.torch_device, dev.pin_host) + \
             _raw_file(os.path.join(directory, "raw.bin"), nbytes, chunk=BATCH * page_bytes)
@@ -193,10 +194,13 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str, scattered: 
     return rows
 
 
-def _row_digests(slab: torch.Tensor) -> list[int]:
-    """The slab's rows as sorted digests: equal when the same pages lie in it, in whatever slots."""
-    host = slab.cpu().numpy()
-    return sorted(xxhash.xxh3_64_intdigest(row) for row in host)
+def _page_digests(store: Store) -> dict[int, int]:
+    """Page id -> digest of its bytes, for a full GPU tier (its pages listed in slot order)."""
+    rows = store.slabs[GPU][0].tensor.cpu().numpy()
+    ids = store.core.tier_pages(GPU, 0).tolist()
+    if len(ids) != len(rows):
+        raise CorruptPageError(f"bench: {len(ids)} pages in a GPU tier of {len(rows)} slots after the moves")
+    return {page: xxhash.xxh3_64_intdigest(row) for page, row in zip(ids, rows)}
 
 
 def _drop_disk_cache(store: Store) -> None:
