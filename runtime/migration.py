@@ -157,7 +157,9 @@ def _index(slots: Sequence[int]) -> np.ndarray:
 def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | None = None) -> Rows:
     """Rows ``slots`` of ``src`` as a tensor on ``device``: ``out`` when given
     (a host staging buffer, a tensor or a numpy array), else a new tensor
-    (page-aligned on the host, so the disk tier can write it without a bounce copy)."""
+    (page-aligned on the host, so the disk tier can write it without a bounce copy).
+    From the GPU into host memory: one gather on the GPU and one copy where
+    the slots break into four runs or more, else a copy per run."""
     if device.type == "cpu":
         host_src = _host(src)
         if out is None:
