@@ -32,9 +32,11 @@ from tiers.errors import KvtierError
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=default_trace())
-    p.add_argument("--limit", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--trace", default=default_trace(),
+                   help="a Mooncake-format trace (default: ../shared/traces/conversation_trace.jsonl, "
+                        "else the bundled slice)")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--json", action="store_true", help="the rows as JSON")
     p.add_argument("--quick", action="store_true", help="smaller core rows (100k-page reopen, 128 Ki pages)")
     p.add_argument("--no-core", action="store_true", help="only the three-tier replay")
     args = p.parse_args(argv)

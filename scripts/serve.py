@@ -1044,7 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp_dir = None
     try:
         if args.config:
-            cfg = override_config(runtime.load_config(args.config), args)
+            if args.disk_dir is not None:       # created, as without --config; the file's need not exist
+                os.makedirs(args.disk_dir, exist_ok=True)
+            cfg = override_config(runtime.load_config(args.config, disk_path=args.disk_dir), args)
         else:
             disk_dir = args.disk_dir
             if disk_dir is None:

@@ -74,6 +74,7 @@ import math
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -438,7 +439,8 @@ def plot(rows: Sequence[dict], path: str, equal: bool, title: str, subtitle: str
                        + ("" if vary_gpu else f"; GPU {gpus[0]} blocks"))
     else:
         ax3.set_xlabel("total capacity in blocks (gpu/host/disk below)")
-    fig.suptitle(f"{title}\n{subtitle}", fontsize=12)
+    # about nine characters an inch at this size: a narrow (quick) figure wraps its subtitle
+    fig.suptitle(f"{title}\n" + textwrap.fill(subtitle, int(fig.get_figwidth() * 9)), fontsize=12)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -966,3 +966,21 @@ def test_cli_limits_and_port_range(capsys):
         with pytest.raises(SystemExit):
             serve.parse_args(flags)
         capsys.readouterr()
+
+
+def test_disk_dir_overrides_a_config_files_directory_that_does_not_exist(tmp_path, monkeypatch):
+    """``serve.py --config kv.toml --disk-dir D``: D replaces the file's directory before the
+    config is checked (the file's ``kvdisk`` is never made here), relative to the working
+    directory; without the flag a missing directory stays an error that names it."""
+    import runtime
+    serve = _load_serve()
+    (tmp_path / "kv.toml").write_text(KV_TOML)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    cfg = runtime.load_config(tmp_path / "kv.toml", disk_path="elsewhere")
+    assert cfg.disk.path == str(tmp_path / "elsewhere")
+    args = serve.parse_args(["--config", str(tmp_path / "kv.toml"), "--disk-dir", "elsewhere"])
+    assert serve.override_config(cfg, args).disk.path == "elsewhere"
+    with pytest.raises(runtime.ConfigError, match="kvdisk.*does not exist"):
+        runtime.load_config(tmp_path / "kv.toml")
+    assert not (tmp_path / "kvdisk").exists()
