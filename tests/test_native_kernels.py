@@ -176,3 +176,47 @@ def test_the_journal_crc_in_steps_is_zlibs(n):
     from tiers.journal import crc32
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     assert crc32(data) == zlib.crc32(data) and crc32(memoryview(data)) == zlib.crc32(data)
+
+
+def _resident_pages(a: np.ndarray) -> int:
+    """Resident pages under ``a``'s whole pages (mincore)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    lo = -(-a.ctypes.data // page) * page
+    hi = (a.ctypes.data + a.nbytes) // page * page
+    n = (hi - lo) // page
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def test_drop_array_hands_back_only_an_array_nothing_else_refers_to():
+    """``drop_array`` gives a large array's pages back (without the GIL) only when the array owns
+    them and only its caller refers to it: a view, a container, a read-only or a small array is
+    left as it is."""
+    from tiers.native import DROP_MIN_BYTES, drop_array
+    size = 4 * DROP_MIN_BYTES
+    mine = np.ones(size, dtype=np.uint8)
+    assert _resident_pages(mine) > 0
+    drop_array(mine)
+    assert _resident_pages(mine) == 0
+    assert mine[mine.nbytes // 2] == 0                 # its bytes are gone: only for an array about to go
+
+    viewed = np.ones(size, dtype=np.uint8)
+    view = viewed[8:]
+    drop_array(viewed)
+    held = np.ones(size, dtype=np.uint8)
+    box = [held]
+    drop_array(held)
+    base = np.ones(size + 64, dtype=np.uint8)
+    drop_array(base[64:])                              # a view itself
+    frozen = np.ones(size, dtype=np.uint8)
+    frozen.flags.writeable = False
+    drop_array(frozen)
+    small = np.ones(DROP_MIN_BYTES // 2, dtype=np.uint8)
+    drop_array(small)
+    for a in (viewed, view, held, box[0], base, frozen, small):
+        assert a.all()
+    drop_array([1, 2, 3])                              # not an array: nothing

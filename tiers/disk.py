@@ -145,7 +145,7 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import argsort_i64, pread_rows, pwrite_all, pwrite_rows, xxh64_rows
+from .native import argsort_i64, drop_array, pread_rows, pwrite_all, pwrite_rows, xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 from .units import human_bytes
@@ -2017,12 +2017,19 @@ class DiskTier:
                 idx = _flatnonzero(g.live)
                 slots.append(idx)
                 gens.append(g.meta["gen"][idx])
+                del idx
         if not self.groups:
             return
         ends = np.cumsum([len(s) for s in slots])          # group k's entries end at ends[k]
         slot = np.concatenate(slots)
-        order = np.argsort(np.concatenate(gens), kind="stable")
-        del slots, gens
+        gen = np.concatenate(gens)
+        order = np.argsort(gen, kind="stable")
+        drop_array(gen)         # the large arrays' pages go back without the GIL, then their free is cheap
+        del gen
+        while slots:
+            drop_array(slots.pop())
+            drop_array(gens.pop())
+        part = None
         for a in range(0, len(order), chunk):
             part = order[a:a + chunk]
             gs = np.searchsorted(ends, part, side="right").astype(np.int32)     # groups[k].index == k
@@ -2034,6 +2041,9 @@ class DiskTier:
                     with g.lock:
                         journal.put(out, mine, journal.take(g.meta, ss[mine]))
             yield gs, out
+        del part                # a view of order
+        drop_array(order)
+        drop_array(slot)
 
     @property
     def recovered(self) -> list[RecoveredPage]:

@@ -21,7 +21,25 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     _spec.loader.exec_module(_mod)
 
 from tiers._native import (CopyWorker, argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
-                           record_identities, xxh64, xxh64_rows)
+                           record_identities, release_pages, xxh64, xxh64_rows)
 
-__all__ = ["CopyWorker", "argsort_i64", "copy_rows", "keep_gil_below", "pread_rows", "pwrite_all", "pwrite_rows",
-           "record_identities", "xxh64", "xxh64_rows"]
+__all__ = ["CopyWorker", "argsort_i64", "copy_rows", "drop_array", "keep_gil_below", "pread_rows", "pwrite_all",
+           "pwrite_rows", "record_identities", "xxh64", "xxh64_rows"]
+
+DROP_MIN_BYTES = 1 << 20        # smaller arrays free fast enough (and may not hold a whole page)
+
+
+def drop_array(a) -> None:
+    """Before the last reference to a large numpy array goes: hand its pages
+    back to the kernel without the GIL, so that the free which follows (with
+    the GIL, on whatever thread drops it) is cheap and the event loop is not
+    held by it. Does nothing unless ``a`` owns its memory, is writable and
+    C-contiguous, and only the caller refers to it (no view of it, no
+    container holding it): its bytes are zeros after."""
+    if sys.getrefcount(a) > 3:          # the caller's name, ``a`` and this call's: nothing else
+        return
+    flags = getattr(a, "flags", None)   # (it refers to ``a`` too)
+    if flags is not None and a.nbytes >= DROP_MIN_BYTES and flags.owndata and flags.writeable \
+            and flags.c_contiguous:
+        del flags
+        release_pages(a)
