@@ -1041,11 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
     tune_gc()                      # a long-lived store: see README, "Garbage collection"
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tmp_dir = None
+    tmp_dir = made_dir = None
     try:
         if args.config:
-            if args.disk_dir is not None:       # created, as without --config; the file's need not exist
-                os.makedirs(args.disk_dir, exist_ok=True)
+            if args.disk_dir is not None and not os.path.exists(args.disk_dir):
+                os.makedirs(args.disk_dir)      # as without --config (gone again if the config is bad)
+                made_dir = args.disk_dir
             cfg = override_config(runtime.load_config(args.config, disk_path=args.disk_dir), args)
         else:
             disk_dir = args.disk_dir
@@ -1060,6 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.disk is not None and cfg.disk.path:
             os.makedirs(cfg.disk.path, exist_ok=True)
     except (runtime.ConfigError, OSError) as exc:
+        if made_dir is not None:
+            shutil.rmtree(made_dir, ignore_errors=True)
         print(f"kvtier serve: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
     try:

@@ -192,31 +192,50 @@ def _resident_pages(a: np.ndarray) -> int:
     return sum(v & 1 for v in vec)
 
 
-def test_drop_array_hands_back_only_an_array_nothing_else_refers_to():
-    """``drop_array`` gives a large array's pages back (without the GIL) only when the array owns
-    them and only its caller refers to it: a view, a container, a read-only or a small array is
-    left as it is."""
-    from tiers.native import DROP_MIN_BYTES, drop_array
-    size = 4 * DROP_MIN_BYTES
+def test_drop_arrays_hands_back_only_arrays_nothing_else_refers_to(monkeypatch):
+    """``drop_arrays`` empties its list and gives a large array's pages back (without the GIL)
+    only when the list held its last reference and the array owns its memory: a name, a view,
+    another container, a weak reference, a read-only or a small array keeps it as it is."""
+    import weakref
+    from tiers import native
+    size = 4 * native.DROP_MIN_BYTES
     mine = np.ones(size, dtype=np.uint8)
     assert _resident_pages(mine) > 0
-    drop_array(mine)
-    assert _resident_pages(mine) == 0
-    assert mine[mine.nbytes // 2] == 0                 # its bytes are gone: only for an array about to go
+    native.release_pages(mine)                         # the kernel call itself: the pages go
+    assert _resident_pages(mine) == 0 and mine[size // 2] == 0
 
+    released = []
+    real = native.release_pages
+    monkeypatch.setattr(native, "release_pages", lambda a: (released.append(a.nbytes), real(a)))
+    box = [np.ones(size, dtype=np.uint8), np.ones(size + 1, dtype=np.uint8)]
+    native.drop_arrays(box)
+    assert box == [] and sorted(released) == [size, size + 1]
+
+    released.clear()
+    named = np.ones(size, dtype=np.uint8)
     viewed = np.ones(size, dtype=np.uint8)
     view = viewed[8:]
-    drop_array(viewed)
     held = np.ones(size, dtype=np.uint8)
-    box = [held]
-    drop_array(held)
+    other = [held]
+    watched = np.ones(size, dtype=np.uint8)
+    ref = weakref.ref(watched)
     base = np.ones(size + 64, dtype=np.uint8)
-    drop_array(base[64:])                              # a view itself
     frozen = np.ones(size, dtype=np.uint8)
     frozen.flags.writeable = False
-    drop_array(frozen)
-    small = np.ones(DROP_MIN_BYTES // 2, dtype=np.uint8)
-    drop_array(small)
-    for a in (viewed, view, held, box[0], base, frozen, small):
+    box = [named, viewed, held, watched, base[64:], frozen, np.ones(native.DROP_MIN_BYTES // 2, dtype=np.uint8),
+           b"not an array"]
+    del viewed, held, watched, frozen                  # each still referred to (a view, a list, a weak ref)
+    native.drop_arrays(box)
+    assert box == [] and released == []
+    for a in (named, view, other[0], base):
         assert a.all()
-    drop_array([1, 2, 3])                              # not an array: nothing
+    assert ref() is None                               # it went with the list, as it was
+
+
+def test_drop_arrays_fails_closed_where_an_interpreter_counts_differently(monkeypatch):
+    from tiers import native
+    monkeypatch.setattr(native, "_SOLE_REFS", native._SOLE_REFS - 1)     # as if references counted fewer
+    released = []
+    monkeypatch.setattr(native, "release_pages", released.append)
+    native.drop_arrays([np.ones(4 * native.DROP_MIN_BYTES, dtype=np.uint8)])
+    assert released == []

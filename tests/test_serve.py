@@ -974,13 +974,36 @@ def test_disk_dir_overrides_a_config_files_directory_that_does_not_exist(tmp_pat
     directory; without the flag a missing directory stays an error that names it."""
     import runtime
     serve = _load_serve()
-    (tmp_path / "kv.toml").write_text(KV_TOML)
+    (tmp_path / "conf").mkdir()
+    toml = tmp_path / "conf" / "kv.toml"
+    toml.write_text(KV_TOML)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
-    cfg = runtime.load_config(tmp_path / "kv.toml", disk_path="elsewhere")
+    cfg = runtime.load_config(toml, disk_path="elsewhere")       # the working directory's, not conf/'s
     assert cfg.disk.path == str(tmp_path / "elsewhere")
-    args = serve.parse_args(["--config", str(tmp_path / "kv.toml"), "--disk-dir", "elsewhere"])
+    args = serve.parse_args(["--config", str(toml), "--disk-dir", "elsewhere"])
     assert serve.override_config(cfg, args).disk.path == "elsewhere"
     with pytest.raises(runtime.ConfigError, match="kvdisk.*does not exist"):
-        runtime.load_config(tmp_path / "kv.toml")
-    assert not (tmp_path / "kvdisk").exists()
+        runtime.load_config(toml)
+    assert not (tmp_path / "conf" / "kvdisk").exists()
+
+
+async def test_serve_makes_the_disk_dir_a_command_line_names_over_a_config_file(tmp_path, servers):
+    """The script itself: ``--disk-dir`` over a config file whose own directory does not exist is
+    made and served from; with a config that is refused, the directory it made is gone again."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "kv.toml").write_text(KV_TOML)
+    server = await Server.start(tmp_path, "--config", "conf/kv.toml", "--disk-dir", "made/here", "--no-fsync",
+                                name="made")
+    servers.append(server)
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+        st = await Client(http, server.url).ok("GET", "/stats")
+        assert st["tiers"]["disk"]["groups"][0]["slots"] > 0
+    assert await server.stop() == 0
+    assert (tmp_path / "made" / "here").is_dir() and not (tmp_path / "conf" / "kvdisk").exists()
+    (tmp_path / "bad.toml").write_text(KV_TOML.replace('quota = "512KiB"', 'quota = "lots"'))
+    r = await asyncio.create_subprocess_exec(sys.executable, str(SERVE), "--config", "bad.toml", "--disk-dir", "never",
+                                             cwd=str(tmp_path), stderr=asyncio.subprocess.PIPE)
+    _, err = await r.communicate()
+    assert r.returncode == 2 and b"ConfigError" in err and b"quota" in err
+    assert not (tmp_path / "never").exists()

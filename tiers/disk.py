@@ -145,7 +145,7 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import argsort_i64, drop_array, pread_rows, pwrite_all, pwrite_rows, xxh64_rows
+from .native import argsort_i64, drop_arrays, pread_rows, pwrite_all, pwrite_rows, xxh64_rows
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
 from .units import human_bytes
@@ -246,7 +246,8 @@ def _typed(exc: OSError, what: str) -> OSError:
 
 def _flatnonzero(mask: np.ndarray, step: int = 1 << 18) -> np.ndarray:
     """``np.flatnonzero`` a quarter million entries per call: a worker holds the GIL through
-    each numpy call, and one over millions of slots stalls the event loop for milliseconds."""
+    each numpy call, and one over millions of slots stalls the event loop for milliseconds.
+    (The result may be a view of a larger array.)"""
     if len(mask) <= step:
         return np.flatnonzero(mask)
     return np.concatenate([np.flatnonzero(mask[a:a + step]) + a for a in range(0, len(mask), step)])
@@ -2021,14 +2022,13 @@ class DiskTier:
         if not self.groups:
             return
         ends = np.cumsum([len(s) for s in slots])          # group k's entries end at ends[k]
+        # the large arrays' pages go back without the GIL before they are freed (drop_arrays): a
+        # free of millions of entries under the GIL stalled the event loop for milliseconds
         slot = np.concatenate(slots)
-        gen = np.concatenate(gens)
-        order = np.argsort(gen, kind="stable")
-        drop_array(gen)         # the large arrays' pages go back without the GIL, then their free is cheap
-        del gen
-        while slots:
-            drop_array(slots.pop())
-            drop_array(gens.pop())
+        gen = [np.concatenate(gens)]            # held by the list alone: dropped after the sort
+        order = np.argsort(gen[0], kind="stable")
+        for arrays in (gen, slots, gens):
+            drop_arrays(arrays)
         part = None
         for a in range(0, len(order), chunk):
             part = order[a:a + chunk]
@@ -2042,8 +2042,9 @@ class DiskTier:
                         journal.put(out, mine, journal.take(g.meta, ss[mine]))
             yield gs, out
         del part                # a view of order
-        drop_array(order)
-        drop_array(slot)
+        big = [order, slot]
+        del order, slot
+        drop_arrays(big)
 
     @property
     def recovered(self) -> list[RecoveredPage]:

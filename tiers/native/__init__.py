@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     import importlib.util
@@ -23,23 +24,42 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
 from tiers._native import (CopyWorker, argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
                            record_identities, release_pages, xxh64, xxh64_rows)
 
-__all__ = ["CopyWorker", "argsort_i64", "copy_rows", "drop_array", "keep_gil_below", "pread_rows", "pwrite_all",
+__all__ = ["CopyWorker", "argsort_i64", "copy_rows", "drop_arrays", "keep_gil_below", "pread_rows", "pwrite_all",
            "pwrite_rows", "record_identities", "xxh64", "xxh64_rows"]
 
 DROP_MIN_BYTES = 1 << 20        # smaller arrays free fast enough (and may not hold a whole page)
 
 
-def drop_array(a) -> None:
-    """Before the last reference to a large numpy array goes: hand its pages
-    back to the kernel without the GIL, so that the free which follows (with
-    the GIL, on whatever thread drops it) is cheap and the event loop is not
-    held by it. Does nothing unless ``a`` owns its memory, is writable and
-    C-contiguous, and only the caller refers to it (no view of it, no
-    container holding it): its bytes are zeros after."""
-    if sys.getrefcount(a) > 3:          # the caller's name, ``a`` and this call's: nothing else
-        return
-    flags = getattr(a, "flags", None)   # (it refers to ``a`` too)
-    if flags is not None and a.nbytes >= DROP_MIN_BYTES and flags.owndata and flags.writeable \
-            and flags.c_contiguous:
-        del flags
-        release_pages(a)
+def _refs(a: object) -> int:
+    return sys.getrefcount(a)
+
+
+def _sole_refs() -> int:
+    """What ``_refs`` counts for an array popped from a list and held by one local name, on this
+    interpreter: measured with the very code shape ``drop_arrays`` uses, so that a change in
+    how an interpreter counts makes the check fail closed (nothing dropped), never open."""
+    box = [bytearray(1)]
+    a = box.pop()
+    return _refs(a)
+
+
+_SOLE_REFS = _sole_refs()
+
+
+def drop_arrays(box: list) -> None:
+    """Empty ``box``, a list of numpy arrays its caller gives up, and hand the
+    pages of each large one back to the kernel without the GIL first: the free
+    that follows (under the GIL, on whatever thread) is then cheap, and does
+    not hold the event loop for milliseconds. An array is left as it is unless
+    the list held its last reference (no name, view, container or weak
+    reference besides), it owns its memory and is writable and C-contiguous."""
+    while box:
+        a = box.pop()
+        if _refs(a) != _SOLE_REFS or weakref.getweakrefcount(a):
+            continue
+        flags = getattr(a, "flags", None)
+        sole = flags is not None and a.nbytes >= DROP_MIN_BYTES and flags.owndata and flags.writeable \
+            and flags.c_contiguous
+        del flags                       # (it refers to ``a``)
+        if sole:
+            release_pages(a)
