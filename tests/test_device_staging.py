@@ -141,6 +141,8 @@ async def test_the_move_benchmark_fills_every_slot_and_checks_every_page_it_move
     def corrupting(src, src_slots, dst, dst_slots):
         real(src, src_slots, dst, dst_slots)
         if not flipped:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()                # the copy has landed: the flip is not overwritten
             dst[dst_slots[0], 0] ^= 1
             flipped.append(dst_slots[0])
     monkeypatch.setattr(migration, "copy_rows", corrupting)
