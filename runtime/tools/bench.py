@@ -168,6 +168,8 @@ async def bench_moves(page_bytes: int, n_pages: int, directory: str, scattered: 
         lag = LoopLagMonitor(0.002).start()
         down = await _move_all(store, pages, HOST)
         store.slabs[GPU][0].tensor.fill_(0xA5)        # what comes back up must be copied there
+        if dev.is_cuda:                                 # (on the current stream, not the copy streams')
+            torch.cuda.synchronize(dev.torch_device)
         to_disk = await _move_all(store, pages, DISK)
         if store.disk is not None:
             await asyncio.to_thread(_drop_disk_cache, store)
