@@ -1058,8 +1058,6 @@ def main(argv: list[str] | None = None) -> int:
                                  _or(args.disk_slots, 1024),
                                  device=args.device or "cpu", fsync=args.fsync,
                                  on_mismatch=args.on_mismatch or "error")
-        if cfg.disk is not None and cfg.disk.path:
-            os.makedirs(cfg.disk.path, exist_ok=True)
     except (runtime.ConfigError, OSError) as exc:
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)

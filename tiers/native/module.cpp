@@ -312,7 +312,7 @@ void pwrite_all(int fd, nb::bytes data, int64_t offset, bool sync) {
 }
 
 // madvise(MADV_DONTNEED) over the whole pages inside an array's bytes, GIL released: they read as
-// zeros after. For an array about to be freed (tiers.native.drop_array checks that nothing else
+// zeros after. For an array about to be freed (tiers.native.drop_arrays checks that nothing else
 // refers to it): the free that follows, under the GIL, then finds few pages to give back. Freeing
 // the 8 MB arrays of a million-page recovery held the GIL for about 3 ms.
 void release_pages(nb::ndarray<nb::device::cpu, nb::c_contig> a) {
@@ -341,7 +341,7 @@ NB_MODULE(_native, m) {
   m.def("release_pages", &release_pages, "a"_a.noconvert(),
         "Give the whole pages under a C-contiguous array back to the kernel (they read as zeros after), the "
         "GIL released. Only for an array about to be freed that nothing else refers to: use "
-        "tiers.native.drop_array, which checks.");
+        "tiers.native.drop_arrays, which checks.");
   m.def("argsort_i64", &argsort_i64, "a"_a.noconvert(),
         "(order, has_duplicates): the stable argsort of an int64 array, and whether any two elements are "
         "equal; the GIL is kept for small arrays (numpy's argsort always gives it up).");
