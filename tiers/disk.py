@@ -145,9 +145,11 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import argsort_i64, drop_arrays, pread_rows, pwrite_all, pwrite_rows, xxh64_rows
+from .native import (argsort_i64, bounds_i64, concat, drop_arrays, flags_any, flags_first_neither, flags_select, flags_set,
+                     iota_u64, pread_rows, pwrite_all, pwrite_rows, records_current, records_slots, take,
+                     xxh64_rows)
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
-from .journal import FRAME, FREE, RECORD, WRITE, PageRecord
+from .journal import FRAME, RECORD, WRITE, PageRecord
 from .units import human_bytes
 
 log = logging.getLogger("kvtier.disk")
@@ -210,15 +212,10 @@ def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-_IOTA = np.arange(1 << 16, dtype=np.uint64)
-
-
 def _iota(first: int, n: int) -> np.ndarray:
     """``first, first + 1, ...`` (``n`` of them) as uint64. ``np.arange`` gives up the GIL even for
     a handful, and a disk thread that gives it up under a busy event loop waits to get it back."""
-    if n > len(_IOTA):
-        return np.arange(first, first + n, dtype=np.uint64)
-    return _IOTA[:n] + np.uint64(first)
+    return iota_u64(first, n)
 
 
 def _remove(path: str) -> None:
@@ -410,12 +407,7 @@ class _Group:
 
     def free_records(self) -> np.ndarray:
         """The pending frees as journal records."""
-        out = np.zeros(self.n_pending, dtype=RECORD)
-        if self.n_pending:
-            out["kind"] = FREE
-            out["slot"] = np.concatenate(self.pending_slots)
-            out["gen"] = np.concatenate(self.pending_gens)
-        return out
+        return journal.frees(concat(self.pending_slots, np.int64), concat(self.pending_gens, np.uint64))
 
     def clear_pending(self) -> None:
         self.settle_pending(self.pending_slots)
@@ -431,8 +423,8 @@ class _Group:
     def settle_pending(self, slots: list[np.ndarray]) -> None:
         """The frees taken are durable."""
         for part in slots:
-            self.pending[part] = False
-            self.journaled[part] = False
+            flags_set(self.pending, part, False)
+            flags_set(self.journaled, part, False)
 
     def restore_pending(self, slots: list[np.ndarray], gens: list[np.ndarray]) -> None:
         """The append of the frees taken failed: they are pending again, first in line."""
@@ -444,9 +436,9 @@ class _Group:
         """Slots stop holding pages; returns those the journal names, which need a free record
         (``add_pending``). The records of the others, still queued, are not current any more,
         so no commit journals them."""
-        self.live[slots] = False
+        flags_set(self.live, slots, False)
         self.n_live -= len(slots)
-        return slots[self.journaled[slots]]
+        return flags_select(self.journaled, slots, True)
 
     def queue(self, records: np.ndarray, synced: bool) -> None:
         """Queue a batch's records for the next commit."""
@@ -459,11 +451,10 @@ class _Group:
     def current(self, recs: np.ndarray) -> np.ndarray:
         """The records of ``recs`` still their slot's live page (a later free, write or relabel
         of a slot supersedes a queued record)."""
-        slots = recs["slot"].astype(np.int64)
-        return journal.take(recs, self.live[slots] & (self.meta["gen"][slots] == recs["gen"]))
+        return journal.take(recs, records_current(journal.rows(recs), self.live, journal.rows(self.meta)))
 
     def add_pending(self, slots: np.ndarray, first_gen: int) -> None:
-        self.pending[slots] = True
+        flags_set(self.pending, slots, True)
         self.pending_slots.append(slots)
         self.pending_gens.append(_iota(first_gen, len(slots)))
         self.n_pending += len(slots)
@@ -1122,10 +1113,10 @@ class DiskTier:
             except OverflowError:           # beyond int64: outside the group whatever it is
                 bad = next(s for s in slots if not 0 <= s < g.slots)
                 raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots") from None
-        if len(arr) and (arr.min() < 0 or arr.max() >= g.slots):
+        order, dup = argsort_i64(arr)        # (numpy's min and max would give the GIL up)
+        if len(arr) and (arr[order[0]] < 0 or arr[order[-1]] >= g.slots):
             bad = int(arr[(arr < 0) | (arr >= g.slots)][0])
             raise UsageError(f"slot {bad!r} is outside disk group {g.index}'s {g.slots} slots")
-        order, dup = argsort_i64(arr)
         if dup:
             raise UsageError(f"duplicate slots in one call on disk group {g.index}")
         return arr, order
@@ -1270,9 +1261,9 @@ class DiskTier:
                 with g.journal_lock:
                     with g.lock:
                         recs = g.current(journal.concat([r for r, _ in snap])) if snap else np.zeros(0, RECORD)
-                        slots = recs["slot"].astype(np.int64)
-                        before = g.journaled[slots]
-                        g.journaled[slots] = True               # before a free can look
+                        slots = records_slots(journal.rows(recs))
+                        before = take(g.journaled, slots)
+                        flags_set(g.journaled, slots, True)     # before a free can look
 
                     def undo() -> None:
                         # never journaled after all, unless freed meanwhile (pending implies journaled)
@@ -1469,7 +1460,8 @@ class DiskTier:
         if idx.dtype.kind not in "iu" or idx.shape != (n,):
             raise UsageError(f"index must be {n} integer row numbers, got shape {idx.shape} of {idx.dtype}")
         idx = idx.astype(np.int64, copy=False)
-        if n and (int(idx.min()) < 0 or int(idx.max()) >= n_rows):
+        lo, hi = bounds_i64(idx) if n else (0, -1)
+        if lo < 0 or hi >= n_rows:
             raise UsageError(f"index holds a row outside 0..{n_rows - 1}")
         return idx
 
@@ -1583,16 +1575,15 @@ class DiskTier:
                 if self._closed:
                     raise StoreClosedError("disk tier is closed")
                 self._usable(g)
-                g.reserve(int(sl.max()) + 1)
-                taken = g.live[sl]
-                if taken.any():
-                    raise UsageError(f"slot {int(sl[taken][0])} of disk group {g.index} holds a live page; "
+                sorted_slots = take(sl, order)
+                g.reserve(int(sorted_slots[-1]) + 1)
+                if flags_any(g.live, sl):
+                    raise UsageError(f"slot {int(sl[g.live[sl]][0])} of disk group {g.index} holds a live page; "
                                      "free it first")
                 t1 = time.perf_counter()
                 hashes = np.zeros(n, dtype=np.uint64)
-                sorted_slots = sl[order]
                 self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
-                frees_first = bool(g.pending[sl].any())
+                frees_first = flags_any(g.pending, sl)
             # 1. frees of the target slots must be durable before their old bytes are overwritten
             if frees_first:
                 self._append_frees(g, sl)
@@ -1601,7 +1592,7 @@ class DiskTier:
             try:
                 self._fault("write")
                 parallel = g.direct or n * g.stride >= PARALLEL_MIN_BYTES
-                src = order if index is None else index[order]     # the row of each slot, in slot order
+                src = order if index is None else take(index, order)     # the row of each slot, in slot order
                 if parallel:
                     tck = sum(self._run_pieces(lambda a, b: self._write_piece(g, arr, src, order, sorted_slots,
                                                                               hashes, a, b),
@@ -1617,15 +1608,10 @@ class DiskTier:
             with g.lock:
                 t1 += time.perf_counter() - t2      # time waiting for the lock behind reads is not I/O
                 self._usable(g)             # a failed sync may have broken the group meanwhile
-                out = journal.copy(recs)
-                out["kind"] = WRITE
-                out["slot"] = sl
-                gen = self._take_gens(n)
-                out["gen"] = _iota(gen, n)
-                out["csum"] = hashes ^ journal.identity(out, self._fp)
+                out = journal.stamp_writes(recs, sl, self._take_gens(n), hashes, self._fp)
                 journal.put(g.meta, sl, out)
-                g.live[sl] = True
-                g.forgotten[sl] = False
+                flags_set(g.live, sl, True)
+                flags_set(g.forgotten, sl, False)
                 g.n_live += n
                 g.queue(out, sync)
                 self._add_stats(bytes_written=n * g.slot_bytes, pages_written=n, checksum_seconds=tck,
@@ -1936,21 +1922,20 @@ class DiskTier:
         always before a freed slot is written again. Freeing a slot that ``read``/``verify_all``
         already discarded is accepted (a no-op)."""
         g = self._group(group)
-        sl, _ = self._check_slots(g, slots)
+        sl, order = self._check_slots(g, slots)
         if not len(sl):
             return
         with g.lock:
             if self._closed:
                 raise StoreClosedError("disk tier is closed")
-            g.reserve(int(sl.max()) + 1)
-            live = g.live[sl]
-            unknown = ~(live | g.forgotten[sl])
-            if unknown.any():
-                raise UsageError(f"slot {int(sl[unknown][0])} of disk group {g.index} holds no page (freed twice?)")
-            freed = sl[live]
+            g.reserve(int(sl[order[-1]]) + 1)
+            unknown = flags_first_neither(g.live, g.forgotten, sl)
+            if unknown >= 0:
+                raise UsageError(f"slot {int(sl[unknown])} of disk group {g.index} holds no page (freed twice?)")
+            freed = flags_select(g.live, sl, True)
             if len(freed):
                 self._unlive(g, freed)
-            g.forgotten[sl] = False
+            flags_set(g.forgotten, sl, False)
             flush = g.n_pending >= PENDING_FREE_FLUSH and g.broken is None
         if flush:
             try:

@@ -38,6 +38,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from .errors import UsageError
+from . import native
 from .native import record_identities
 
 RECORD = np.dtype([
@@ -46,31 +47,61 @@ RECORD = np.dtype([
     ("key_lo", "<u8"), ("key_hi", "<u8"), ("parent_lo", "<u8"), ("parent_hi", "<u8"),
 ])
 assert RECORD.itemsize == 64
-# the fields the native record identity reads, as it reads them (tiers/native/record_identity.hpp)
-if [RECORD.fields[f][:2] for f in ("ktag", "lc", "key_lo", "key_hi")] != \
-        [(np.dtype("u1"), 1), (np.dtype("<u2"), 4), (np.dtype("<u8"), 32), (np.dtype("<u8"), 40)]:
-    raise ImportError("journal.RECORD no longer matches tiers/native/record_identity.hpp")
+# the fields the native kernels read and write, as they do (tiers/native/record_identity.hpp, slot_table.hpp)
+if [RECORD.fields[f][:2] for f in ("kind", "ktag", "ptag", "priority", "lc", "slot", "gen", "csum", "key_lo", "key_hi")] != \
+        [(np.dtype("u1"), 0), (np.dtype("u1"), 1), (np.dtype("u1"), 2), (np.dtype("u1"), 3), (np.dtype("<u2"), 4),
+         (np.dtype("<u4"), 8), (np.dtype("<u8"), 16), (np.dtype("<u8"), 24), (np.dtype("<u8"), 32), (np.dtype("<u8"), 40)]:
+    raise ImportError("journal.RECORD no longer matches tiers/native/record_identity.hpp and slot_table.hpp")
 MAX_GEN = (1 << 62) - 1     # generations stay far below u8's end: a hostile 2**64-1 cannot stop writes
 _ROW = np.dtype((np.void, RECORD.itemsize))    # a record as opaque bytes: numpy moves these at memcpy speed
 
 
+def _indexed(idx) -> bool:
+    return isinstance(idx, np.ndarray) and idx.dtype == np.int64 and idx.ndim == 1
+
+
 def take(recs: np.ndarray, idx) -> np.ndarray:
-    """``recs[idx]``, moved as whole rows (a structured gather copies field by field, 10x slower)."""
+    """``recs[idx]``, moved as whole rows (a structured gather copies field by field, 10x slower);
+    for an int64 index array without giving up the GIL (``native.take``)."""
+    if _indexed(idx) and recs.flags.c_contiguous:
+        return native.take(recs, idx)
     return recs.view(_ROW)[idx].view(RECORD)
 
 
 def put(dst: np.ndarray, idx, src: np.ndarray) -> None:
-    """``dst[idx] = src``, moved as whole rows."""
-    dst.view(_ROW)[idx] = src.view(_ROW)
+    """``dst[idx] = src``, moved as whole rows (for an int64 index array without giving up the GIL)."""
+    if _indexed(idx) and dst.flags.c_contiguous:
+        native.put(dst, idx, src)
+    else:
+        dst.view(_ROW)[idx] = src.view(_ROW)
 
 
 def copy(recs: np.ndarray) -> np.ndarray:
-    """A contiguous copy of ``recs``, moved as whole rows (a structured copy goes field by field, 6x slower)."""
-    return recs.view(_ROW).copy().view(RECORD)
+    """A contiguous copy of ``recs``, moved as whole rows, without giving up the GIL below the
+    thread's ``keep_gil_below``."""
+    return native.concat([recs], RECORD)
 
 
 def concat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate([p.view(_ROW) for p in parts]).view(RECORD)
+    return native.concat(parts, RECORD)
+
+
+def rows(recs: np.ndarray) -> np.ndarray:
+    """Records as (n, 64) uint8 rows, the form the native record kernels take (a view when
+    contiguous)."""
+    return native.as_rows(np.ascontiguousarray(recs))
+
+
+def stamp_writes(recs: np.ndarray, slots: np.ndarray, first_gen: int, hashes: np.ndarray, fp: int) -> np.ndarray:
+    """A copy of a caller's write records made the journal's: kind WRITE, ``slots`` (int64), the
+    generations ``first_gen, first_gen + 1, ...`` and the checksums ``hashes ^ identity``."""
+    return native.records_stamp_writes(rows(recs), slots, first_gen, hashes, fp).view(RECORD).reshape(-1)
+
+
+def frees(slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    """FREE records of ``slots`` (int64) with generations ``gens`` (uint64)."""
+    return native.records_frees(slots, gens).view(RECORD).reshape(-1)
+
 
 WRITE, FREE = 0, 1
 TAG_ANONYMOUS = 255          # ktag of an uncommitted page's record
@@ -217,13 +248,5 @@ def malformed(recs: np.ndarray, stored: bool = True) -> np.ndarray:
     """Mask of records no writer produces: unknown kinds or key forms, a
     generation of 0 or beyond ``MAX_GEN``, a priority out of range. ``stored=False`` checks a
     caller's write records before the tier stamps kind and generation: their
-    content only."""
-    ktag, ptag = recs["ktag"], recs["ptag"]
-    bad = (ktag > 16) & (ktag != TAG_ANONYMOUS)
-    bad |= (ptag > 16) & (ptag != TAG_NONE)
-    bad |= recs["priority"] > MAX_PRIORITY
-    if not stored:
-        return bad
-    kind = recs["kind"]
-    gen = recs["gen"]
-    return ((kind == WRITE) & bad) | (kind > FREE) | (gen == 0) | (gen > MAX_GEN)
+    content only. One native pass (``tiers/native/slot_table.hpp``), the GIL kept."""
+    return native.records_malformed(rows(recs), stored, MAX_GEN)

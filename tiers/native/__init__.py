@@ -1,8 +1,10 @@
 """The data plane's native kernels (``tiers._native``, built from this
 folder's C++ by the package's own build): batched page checksums, row
 copies, row I/O and journal record identities, each one call per batch (the GIL given up for large batches and
-for file I/O), the small array sort the disk tier needs without giving up the GIL, and ``CopyWorker``, a
-thread that runs row copies without the GIL at all (``runtime/copy_thread.py``).
+for file I/O); the disk tier's slot-table bookkeeping (``slot_table.hpp``: per-slot flags, record checks and
+stamps, and the gathers, scatters and concatenation below), which its threads do without giving up the GIL
+as numpy does; and ``CopyWorker``, a thread that runs row copies without the GIL at all
+(``runtime/copy_thread.py``).
 
 ``KVTIER_NATIVE_LIB`` names another build of the extension to load instead
 (scripts/sanitize.sh points it at an AddressSanitizer build).
@@ -13,6 +15,8 @@ import os
 import sys
 import weakref
 
+import numpy as np
+
 if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     import importlib.util
 
@@ -21,11 +25,52 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
     sys.modules[_spec.name] = _mod
     _spec.loader.exec_module(_mod)
 
-from tiers._native import (CopyWorker, argsort_i64, copy_rows, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,  # noqa: E402
-                           record_identities, release_pages, xxh64, xxh64_rows)
+from tiers._native import (CopyWorker, argsort_i64, bounds_i64, copy_rows, flags_any, flags_first_neither,  # noqa: E402
+                           flags_select, flags_set, iota_u64, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,
+                           record_identities, records_current, records_frees, records_malformed, records_slots,
+                           records_stamp_writes, release_pages, xxh64, xxh64_rows)
 
-__all__ = ["CopyWorker", "argsort_i64", "copy_rows", "drop_arrays", "keep_gil_below", "pread_rows", "pwrite_all",
-           "pwrite_rows", "record_identities", "xxh64", "xxh64_rows"]
+__all__ = ["CopyWorker", "argsort_i64", "as_rows", "bounds_i64", "concat", "copy_rows", "drop_arrays", "flags_any",
+           "flags_first_neither", "flags_select", "flags_set", "iota_u64", "keep_gil_below", "pread_rows",
+           "pwrite_all", "pwrite_rows", "put", "record_identities", "records_current", "records_frees",
+           "records_malformed", "records_slots", "records_stamp_writes", "take", "xxh64", "xxh64_rows"]
+
+# -- numpy's gathers, scatters and concatenation, keeping the GIL ----------------------------------
+# numpy gives the GIL up for an indexed copy of more than 500 elements; a disk thread then waits
+# to get it back behind a busy event loop (slot_table.hpp). These move 1-D arrays' elements as
+# byte rows through copy_rows, which keeps it below the thread's keep_gil_below.
+
+def as_rows(a: np.ndarray) -> np.ndarray:
+    """A 1-D C-contiguous array's elements as rows of bytes (a view)."""
+    if a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError("as_rows takes a 1-D C-contiguous array")
+    return a.view(np.uint8).reshape(len(a), a.dtype.itemsize)
+
+
+def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]`` for an int64 index array (IndexError for one out of range)."""
+    out = np.empty(len(idx), dtype=a.dtype)
+    if len(idx):
+        copy_rows(as_rows(a), idx, as_rows(out), None)
+    return out
+
+
+def put(a: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
+    """``a[idx] = values`` for an int64 index array and values of a's dtype."""
+    if len(idx):
+        copy_rows(as_rows(np.ascontiguousarray(values, dtype=a.dtype)), None, as_rows(a), idx)
+
+
+def concat(parts: list, dtype) -> np.ndarray:
+    """``np.concatenate(parts)`` for 1-D arrays of ``dtype``."""
+    out = np.empty(sum(len(p) for p in parts), dtype=dtype)
+    rows, at = as_rows(out), 0
+    for p in parts:
+        if len(p):
+            copy_rows(as_rows(np.ascontiguousarray(p, dtype=dtype)), None, rows[at:at + len(p)], None)
+            at += len(p)
+    return out
+
 
 DROP_MIN_BYTES = 1 << 20        # smaller arrays free fast enough (and may not hold a whole page)
 

@@ -1,7 +1,8 @@
-// tiers._native: the data plane's native kernels (nanobind): page checksums and row copies. Each call works
-// on a whole batch, so that disk I/O threads do not hold the interpreter per page. The file I/O
-// calls always release the GIL (a syscall may block); the compute kernels release it only for
-// batches of at least the calling thread's threshold (t_keep_gil_below, below).
+// tiers._native: the data plane's native kernels (nanobind): page checksums, row copies and row I/O,
+// and the disk tier's slot-table bookkeeping (slot_table.hpp). Each call works on a whole batch,
+// so that disk I/O threads do not hold the interpreter per page. The file I/O calls always
+// release the GIL (a syscall may block); the compute kernels release it only for batches of at
+// least the calling thread's threshold (t_keep_gil_below, below) or kReleaseElements elements.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -22,6 +23,7 @@
 #include "copy_worker.hpp"
 #include "record_identity.hpp"
 #include "row_io.hpp"
+#include "slot_table.hpp"
 #include "xxh64.hpp"
 
 namespace nb = nanobind;
@@ -115,6 +117,24 @@ nb::tuple argsort_i64(Index a) {
     for (size_t i = 1; i < n && !dup; ++i) dup = v[order[i] * st] == v[order[i - 1] * st];
   }
   return nb::make_tuple(out, dup);
+}
+
+// (min, max) of a non-empty int64 array (ValueError for an empty one): numpy's reductions give
+// the GIL up past 500 elements.
+nb::tuple bounds_i64(Index a) {
+  const size_t n = a.shape(0);
+  if (!n) throw nb::value_error("bounds_i64: an empty array has no bounds");
+  const int64_t st = a.stride(0);
+  int64_t lo = a.data()[0], hi = lo;
+  {
+    MaybeNoGil nogil(n >= kReleaseElements);
+    for (size_t i = 1; i < n; ++i) {
+      const int64_t v = a.data()[int64_t(i) * st];
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+  }
+  return nb::make_tuple(lo, hi);
 }
 
 using MutRows = nb::ndarray<uint8_t, nb::ndim<2>, nb::device::cpu>;
@@ -324,6 +344,149 @@ void release_pages(nb::ndarray<nb::device::cpu, nb::c_contig> a) {
   ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);   // advice: a failure leaves the work to free()
 }
 
+// -- the disk tier's slot table (slot_table.hpp): kernels that keep the GIL --------------------
+
+using Flags = nb::ndarray<const bool, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+using MutFlags = nb::ndarray<bool, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+using ConstU64 = nb::ndarray<const uint64_t, nb::ndim<1>, nb::device::cpu>;
+
+nb::object np_empty(nb::handle shape, const char* dtype) {
+  return nb::module_::import_("numpy").attr("empty")(shape, "dtype"_a = dtype);
+}
+
+template <class T>
+T* data_of(nb::object& a) {
+  return nb::cast<nb::ndarray<T, nb::device::cpu, nb::c_contig>>(a).data();
+}
+
+// A batch's slots, each checked to index a table of n entries (IndexError otherwise).
+kvtier::slot_table::Slots table_slots(const Index& slots, size_t n, const char* what) {
+  kvtier::slot_table::Slots s{slots.data(), slots.stride(0), slots.shape(0)};
+  for (size_t i = 0; i < s.n; ++i)
+    if (s[i] < 0 || size_t(s[i]) >= n) throw nb::index_error((std::string(what) + ": slot out of range").c_str());
+  return s;
+}
+
+// Journal records as rows of kRecordBytes, each row's bytes contiguous.
+void check_records(const Rows& recs, const char* what) {
+  if (recs.shape(0) && (recs.shape(1) != kvtier::kRecordBytes || recs.stride(1) != 1))
+    throw nb::value_error((std::string(what) + ": rows must be 64 contiguous bytes (journal records)").c_str());
+}
+
+const uint8_t* bytes_of(const Flags& f) { return reinterpret_cast<const uint8_t*>(f.data()); }
+
+bool flags_any(Flags flags, Index slots) {
+  auto s = table_slots(slots, flags.shape(0), "flags_any");
+  MaybeNoGil nogil(s.n >= kReleaseElements);
+  return kvtier::slot_table::any_set(bytes_of(flags), s);
+}
+
+void flags_set(MutFlags flags, Index slots, bool value) {
+  auto s = table_slots(slots, flags.shape(0), "flags_set");
+  MaybeNoGil nogil(s.n >= kReleaseElements);
+  kvtier::slot_table::set_all(reinterpret_cast<uint8_t*>(flags.data()), s, value);
+}
+
+nb::object flags_select(Flags flags, Index slots, bool value) {
+  auto s = table_slots(slots, flags.shape(0), "flags_select");
+  std::vector<int64_t> picked(s.n);
+  size_t k;
+  {
+    MaybeNoGil nogil(s.n >= kReleaseElements);
+    k = kvtier::slot_table::select(bytes_of(flags), s, value, picked.data());
+  }
+  nb::object out = np_empty(nb::int_(k), "int64");
+  if (k) std::memcpy(data_of<int64_t>(out), picked.data(), k * sizeof(int64_t));
+  return out;
+}
+
+int64_t flags_first_neither(Flags a, Flags b, Index slots) {
+  if (a.shape(0) != b.shape(0)) throw nb::value_error("flags_first_neither: the flags differ in length");
+  auto s = table_slots(slots, a.shape(0), "flags_first_neither");
+  MaybeNoGil nogil(s.n >= kReleaseElements);
+  return kvtier::slot_table::first_neither(bytes_of(a), bytes_of(b), s);
+}
+
+nb::object records_malformed(Rows recs, bool stored, uint64_t max_gen) {
+  check_records(recs, "records_malformed");
+  const size_t n = recs.shape(0);
+  nb::object out = np_empty(nb::int_(n), "bool");
+  bool* bad = data_of<bool>(out);
+  MaybeNoGil nogil(n >= kReleaseElements);
+  for (size_t i = 0; i < n; ++i)
+    bad[i] = kvtier::slot_table::malformed(recs.data() + int64_t(i) * recs.stride(0), stored, max_gen);
+  return out;
+}
+
+nb::object records_stamp_writes(Rows recs, Index slots, uint64_t first_gen, ConstU64 hashes, uint64_t fp) {
+  check_records(recs, "records_stamp_writes");
+  const size_t n = recs.shape(0);
+  if (slots.shape(0) != n || hashes.shape(0) != n)
+    throw nb::value_error("records_stamp_writes: one slot and one hash per record");
+  auto s = table_slots(slots, size_t(UINT32_MAX) + 1, "records_stamp_writes");
+  nb::object out = np_empty(nb::make_tuple(n, kvtier::kRecordBytes), "uint8");
+  uint8_t* dst = data_of<uint8_t>(out);
+  MaybeNoGil nogil(n >= kReleaseElements);
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t* rec = dst + i * kvtier::kRecordBytes;
+    std::memcpy(rec, recs.data() + int64_t(i) * recs.stride(0), kvtier::kRecordBytes);
+    kvtier::slot_table::stamp_write(rec, uint32_t(s[i]), first_gen + i, hashes.data()[int64_t(i) * hashes.stride(0)], fp);
+  }
+  return out;
+}
+
+nb::object records_current(Rows recs, Flags live, Rows meta) {
+  check_records(recs, "records_current");
+  check_records(meta, "records_current");
+  if (live.shape(0) != meta.shape(0)) throw nb::value_error("records_current: live and meta differ in length");
+  const size_t n = recs.shape(0), n_slots = live.shape(0);
+  std::vector<int64_t> keep;
+  keep.reserve(n);
+  {
+    MaybeNoGil nogil(n >= kReleaseElements);
+    for (size_t i = 0; i < n; ++i) {
+      const uint8_t* rec = recs.data() + int64_t(i) * recs.stride(0);
+      const uint32_t s = kvtier::slot_table::slot_of(rec);
+      if (s >= n_slots) continue;           // (never: the tier writes only slots it has)
+      if (live.data()[s] && kvtier::slot_table::gen_of(meta.data() + int64_t(s) * meta.stride(0)) ==
+                                kvtier::slot_table::gen_of(rec))
+        keep.push_back(int64_t(i));
+    }
+  }
+  nb::object out = np_empty(nb::int_(keep.size()), "int64");
+  if (!keep.empty()) std::memcpy(data_of<int64_t>(out), keep.data(), keep.size() * sizeof(int64_t));
+  return out;
+}
+
+nb::object records_frees(Index slots, ConstU64 gens) {
+  const size_t n = slots.shape(0);
+  if (gens.shape(0) != n) throw nb::value_error("records_frees: one generation per slot");
+  auto s = table_slots(slots, size_t(UINT32_MAX) + 1, "records_frees");
+  nb::object out = np_empty(nb::make_tuple(n, kvtier::kRecordBytes), "uint8");
+  uint8_t* dst = data_of<uint8_t>(out);
+  MaybeNoGil nogil(n >= kReleaseElements);
+  std::memset(dst, 0, n * kvtier::kRecordBytes);
+  for (size_t i = 0; i < n; ++i)
+    kvtier::slot_table::stamp_free(dst + i * kvtier::kRecordBytes, uint32_t(s[i]), gens.data()[int64_t(i) * gens.stride(0)]);
+  return out;
+}
+
+nb::object records_slots(Rows recs) {
+  check_records(recs, "records_slots");
+  const size_t n = recs.shape(0);
+  nb::object out = np_empty(nb::int_(n), "int64");
+  int64_t* dst = data_of<int64_t>(out);
+  for (size_t i = 0; i < n; ++i) dst[i] = kvtier::slot_table::slot_of(recs.data() + int64_t(i) * recs.stride(0));
+  return out;
+}
+
+nb::object iota_u64(uint64_t first, size_t n) {
+  nb::object out = np_empty(nb::int_(n), "uint64");
+  uint64_t* dst = data_of<uint64_t>(out);
+  for (size_t i = 0; i < n; ++i) dst[i] = first + i;
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -342,6 +505,27 @@ NB_MODULE(_native, m) {
         "Give the whole pages under a C-contiguous array back to the kernel (they read as zeros after), the "
         "GIL released. Only for an array about to be freed that nothing else refers to: use "
         "tiers.native.drop_arrays, which checks.");
+  m.def("bounds_i64", &bounds_i64, "a"_a.noconvert(), "(min, max) of a non-empty int64 array, the GIL kept.");
+  m.def("flags_any", &flags_any, "flags"_a.noconvert(), "slots"_a.noconvert(),
+        "Whether any of flags[slots] is set (slot_table.hpp: the disk tier's per-slot flags, the GIL kept).");
+  m.def("flags_set", &flags_set, "flags"_a.noconvert(), "slots"_a.noconvert(), "value"_a,
+        "flags[slots] = value, the GIL kept.");
+  m.def("flags_select", &flags_select, "flags"_a.noconvert(), "slots"_a.noconvert(), "value"_a,
+        "The slots whose flag is value (int64, in order), the GIL kept.");
+  m.def("flags_first_neither", &flags_first_neither, "a"_a.noconvert(), "b"_a.noconvert(), "slots"_a.noconvert(),
+        "The first position whose slot has neither flag set, or -1.");
+  m.def("records_malformed", &records_malformed, "records"_a.noconvert(), "stored"_a, "max_gen"_a,
+        "journal.malformed over records viewed as (n, 64) uint8 rows: a bool array, the GIL kept.");
+  m.def("records_stamp_writes", &records_stamp_writes, "records"_a.noconvert(), "slots"_a.noconvert(),
+        "first_gen"_a, "hashes"_a.noconvert(), "fp"_a,
+        "A copy of write records (n, 64) with kind write, their slots, generations from first_gen and "
+        "checksums (hashes XOR identity).");
+  m.def("records_current", &records_current, "records"_a.noconvert(), "live"_a.noconvert(), "meta"_a.noconvert(),
+        "The positions of the records still their slot's live page (same generation as meta's).");
+  m.def("records_frees", &records_frees, "slots"_a.noconvert(), "gens"_a.noconvert(),
+        "Free records (n, 64) for slots with generations gens, the other fields zero.");
+  m.def("records_slots", &records_slots, "records"_a.noconvert(), "The records' slots as int64.");
+  m.def("iota_u64", &iota_u64, "first"_a, "n"_a, "first, first + 1, ... (n of them) as uint64, the GIL kept.");
   m.def("argsort_i64", &argsort_i64, "a"_a.noconvert(),
         "(order, has_duplicates): the stable argsort of an int64 array, and whether any two elements are "
         "equal; the GIL is kept for small arrays (numpy's argsort always gives it up).");
