@@ -139,23 +139,19 @@ async def _workers(n: int, requests: Iterable[TraceRequest] | AsyncIterable[Trac
     taking more; the others finish what they hold, then it is raised. Cancelling
     the replay cancels the requests in flight (the store undoes each)."""
     failures: list[BaseException] = []
-    if isinstance(requests, AsyncIterable):
-        lock = asyncio.Lock()
+    lock = asyncio.Lock()
+    it = None if isinstance(requests, AsyncIterable) else iter(requests)
 
-        async def take() -> TraceRequest | None:
-            async with lock:
-                return await anext(each, None)
-    else:
-        it = iter(requests)
-
-        async def take() -> TraceRequest | None:
-            return next(it, None)
+    async def take() -> TraceRequest | None:
+        async with lock:
+            return await anext(each, None)
 
     async def worker() -> None:
         served, every = 0, max(1, YIELD_EVERY // max(1, n))   # all workers together: YIELD_EVERY requests
         try:
             while not failures:
-                req = await take()
+                # a list's next request without a coroutine of its own (one per request at 32 workers)
+                req = next(it, None) if it is not None else await take()
                 if req is None or failures:
                     return
                 await one(req)
