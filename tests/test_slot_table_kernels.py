@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tiers import journal, native
-from tiers.journal import FREE, MAX_GEN, RECORD, TAG_ANONYMOUS, TAG_NONE, WRITE
+from tiers.journal import FREE, MAX_GEN, MAX_KEY_BYTES, MAX_PRIORITY, RECORD, TAG_ANONYMOUS, TAG_NONE, WRITE
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
 
@@ -36,9 +36,9 @@ def random_records(seed: int, n: int) -> np.ndarray:
 def numpy_malformed(recs: np.ndarray, stored: bool) -> np.ndarray:
     """journal.malformed as numpy expressed it before the native kernel."""
     ktag, ptag = recs["ktag"], recs["ptag"]
-    bad = (ktag > 16) & (ktag != TAG_ANONYMOUS)
-    bad |= (ptag > 16) & (ptag != TAG_NONE)
-    bad |= recs["priority"] > 100
+    bad = (ktag > MAX_KEY_BYTES) & (ktag != TAG_ANONYMOUS)
+    bad |= (ptag > MAX_KEY_BYTES) & (ptag != TAG_NONE)
+    bad |= recs["priority"] > MAX_PRIORITY
     if not stored:
         return bad
     kind, gen = recs["kind"], recs["gen"]
@@ -128,6 +128,68 @@ def test_take_put_concat_are_numpys(seed, n, kind):
     assert np.array_equal(native.iota_u64(first, n), np.arange(first, first + n, dtype=np.uint64))
 
 
+@SETTINGS
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 400), st.sampled_from([2, -1, -3]))
+def test_strided_inputs_are_read_as_numpy_reads_them(seed, n, step):
+    """Slot lists and record rows with any stride (a view every other element, reversed)."""
+    a, b, slots = table(seed, n)
+    view = np.concatenate([slots, slots])[::step]
+    assert native.flags_any(a, view) == bool(a[view].any())
+    assert np.array_equal(native.flags_select(a, view, True), view[a[view]])
+    got, want = a.copy(), a.copy()
+    native.flags_set(got, view, True)
+    want[view] = True
+    assert np.array_equal(got, want)
+    recs = random_records(seed, 2 * n)
+    rows = journal.rows(recs)[::step]
+    assert np.array_equal(native.records_malformed(rows, True, MAX_GEN), numpy_malformed(recs[::step], True))
+    assert np.array_equal(native.records_slots(rows), recs[::step]["slot"].astype(np.int64))
+    assert native.take(recs[::step], np.arange(len(rows), dtype=np.int64)).tobytes() == recs[::step].tobytes()
+
+
+def test_repeated_indices_and_large_batches():
+    """A put's repeated index keeps its last value (a loop's order); batches past the size where
+    the kernels give the GIL up (16,384 elements) compute the same."""
+    a = np.zeros(10, np.int64)
+    native.put(a, np.array([3, 5, 3, 3], np.int64), np.array([1, 2, 3, 4], np.int64))
+    assert a.tolist() == [0, 0, 0, 4, 0, 2, 0, 0, 0, 0]
+    n = 40_000
+    flags, other, slots = table(11, n)
+    assert native.flags_any(flags, slots) == bool(flags[slots].any())
+    assert np.array_equal(native.flags_select(flags, slots, False), slots[~flags[slots]])
+    got = flags.copy()
+    native.flags_set(got, slots, False)
+    want = flags.copy()
+    want[slots] = False
+    assert np.array_equal(got, want)
+    recs = random_records(12, n)
+    assert np.array_equal(journal.malformed(recs, True), numpy_malformed(recs, True))
+    assert native.bounds_i64(slots) == (int(slots.min()), int(slots.max()))
+    assert native.take(recs, slots % n).tobytes() == recs[slots % n].tobytes()
+
+
+def test_a_disk_write_takes_strided_slots_and_rows(tmp_path):
+    """DiskTier.write with slot and row-index arrays that are views (every other element,
+    reversed), as a caller may pass them: the pages read back bit-exact."""
+    from tiers.disk import DiskTier
+    tier = DiskTier.open(str(tmp_path), {"t": 1}, [(4096, 64)], fsync=False, o_direct="off")
+    try:
+        rows = np.random.default_rng(5).integers(0, 256, (32, 4096), dtype=np.uint8)
+        recs = np.zeros(8, RECORD)
+        recs["key_lo"], recs["ptag"] = np.arange(1, 9), TAG_NONE
+        slots = np.arange(40, 8, -2, dtype=np.int64)[:8]          # 40, 38, ..., 26: a reversed strided view
+        index = np.arange(0, 32, 4, dtype=np.int64)[::-1]         # rows 28, 24, ..., 0
+        tier.write(0, slots, rows, recs, index=index)
+        out = np.zeros((8, 4096), dtype=np.uint8)
+        tier.read(0, slots.tolist(), out)
+        assert np.array_equal(out, rows[index])
+        tier.write(0, np.arange(0, 16, 2, dtype=np.int64), rows[::4], recs)
+        tier.read(0, list(range(0, 16, 2)), out)
+        assert np.array_equal(out, rows[::4])
+    finally:
+        tier.close()
+
+
 def test_bad_arguments_are_typed_errors_and_change_nothing():
     flags = np.zeros(8, dtype=bool)
     for bad in ([8], [-1], [0, 9]):
@@ -151,4 +213,13 @@ def test_bad_arguments_are_typed_errors_and_change_nothing():
         native.bounds_i64(np.zeros(0, dtype=np.int64))
     with pytest.raises(ValueError, match="1-D C-contiguous"):
         native.as_rows(np.zeros((4, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="3 values for 2 indices"):
+        native.put(np.zeros(4, np.int64), np.array([0, 1], np.int64), np.array([1, 2, 3], np.int64))
+    with pytest.raises(IndexError):         # numpy would count from the end
+        native.take(np.zeros(4, np.int64), np.array([-1], np.int64))
+    meta = np.zeros(4, RECORD)
+    queued = np.zeros(1, RECORD)
+    queued["slot"] = 4                      # beyond the table: an invariant broken, said, not skipped
+    with pytest.raises(IndexError, match="beyond the table"):
+        native.records_current(journal.rows(queued), np.ones(4, bool), journal.rows(meta))
 

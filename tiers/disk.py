@@ -1101,7 +1101,7 @@ class DiskTier:
         """A caller's slots as an int64 array (each an int in [0, slots), no duplicates) and their
         ascending order (a stable argsort)."""
         if isinstance(slots, np.ndarray) and slots.dtype.kind in "iu" and slots.ndim == 1:
-            arr = slots.astype(np.int64, copy=False)
+            arr = np.ascontiguousarray(slots.astype(np.int64, copy=False))    # the kernels take it as rows
         else:
             slots = list(slots)
             if not set(map(type, slots)) <= {int}:    # the common list of ints in one C-speed pass
@@ -1459,7 +1459,7 @@ class DiskTier:
             return np.zeros(0, dtype=np.int64)
         if idx.dtype.kind not in "iu" or idx.shape != (n,):
             raise UsageError(f"index must be {n} integer row numbers, got shape {idx.shape} of {idx.dtype}")
-        idx = idx.astype(np.int64, copy=False)
+        idx = np.ascontiguousarray(idx.astype(np.int64, copy=False))
         lo, hi = bounds_i64(idx) if n else (0, -1)
         if lo < 0 or hi >= n_rows:
             raise UsageError(f"index holds a row outside 0..{n_rows - 1}")

@@ -107,6 +107,10 @@ WRITE, FREE = 0, 1
 TAG_ANONYMOUS = 255          # ktag of an uncommitted page's record
 TAG_NONE = 254               # ptag of a first block (no parent)
 MAX_PRIORITY = 100
+MAX_KEY_BYTES = 16           # a bytes key of up to this many bytes is kept as it is (tag = its length)
+# the rules the native record kernels apply (tiers/native/slot_table.hpp: malformed, the stamps)
+if native.RECORD_RULES != (WRITE, FREE, MAX_KEY_BYTES, TAG_ANONYMOUS, TAG_NONE, MAX_PRIORITY):
+    raise ImportError("journal's record constants no longer match tiers/native/slot_table.hpp")
 
 FRAME = struct.Struct("<4sII")
 HEADER_MAGIC = b"KVJH"
@@ -141,9 +145,9 @@ def encode_key(key: int | bytes) -> tuple[int, int, int]:
         return v & _MASK64, v >> 64, 0
     if not key:
         raise UsageError("block key b'' is reserved (the mark of an anonymous page)")
-    if len(key) > 16:
-        key = hashlib.blake2b(key, digest_size=16).digest()
-    raw = key.ljust(16, b"\0")
+    if len(key) > MAX_KEY_BYTES:
+        key = hashlib.blake2b(key, digest_size=MAX_KEY_BYTES).digest()
+    raw = key.ljust(MAX_KEY_BYTES, b"\0")
     lo, hi = struct.unpack("<QQ", raw)
     return lo, hi, len(key)
 

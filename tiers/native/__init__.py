@@ -28,9 +28,9 @@ if os.environ.get("KVTIER_NATIVE_LIB") and "tiers._native" not in sys.modules:
 from tiers._native import (CopyWorker, argsort_i64, bounds_i64, copy_rows, flags_any, flags_first_neither,  # noqa: E402
                            flags_select, flags_set, iota_u64, keep_gil_below, pread_rows, pwrite_all, pwrite_rows,
                            record_identities, records_current, records_frees, records_malformed, records_slots,
-                           records_stamp_writes, release_pages, xxh64, xxh64_rows)
+                           records_stamp_writes, release_pages, xxh64, xxh64_rows, RECORD_RULES)
 
-__all__ = ["CopyWorker", "argsort_i64", "as_rows", "bounds_i64", "concat", "copy_rows", "drop_arrays", "flags_any",
+__all__ = ["CopyWorker", "RECORD_RULES", "argsort_i64", "as_rows", "bounds_i64", "concat", "copy_rows", "drop_arrays", "flags_any",
            "flags_first_neither", "flags_select", "flags_set", "iota_u64", "keep_gil_below", "pread_rows",
            "pwrite_all", "pwrite_rows", "put", "record_identities", "records_current", "records_frees",
            "records_malformed", "records_slots", "records_stamp_writes", "take", "xxh64", "xxh64_rows"]
@@ -38,7 +38,10 @@ __all__ = ["CopyWorker", "argsort_i64", "as_rows", "bounds_i64", "concat", "copy
 # -- numpy's gathers, scatters and concatenation, keeping the GIL ----------------------------------
 # numpy gives the GIL up for an indexed copy of more than 500 elements; a disk thread then waits
 # to get it back behind a busy event loop (slot_table.hpp). These move 1-D arrays' elements as
-# byte rows through copy_rows, which keeps it below the thread's keep_gil_below.
+# byte rows through copy_rows, keeping the GIL below MOVE_KEEP_GIL_BELOW bytes (16,384 journal
+# records: a group commit's; about 50 us of copying) on any thread. Indices are int64 and
+# non-negative (IndexError otherwise: numpy would count a negative one from the end).
+MOVE_KEEP_GIL_BELOW = 1 << 20
 
 def as_rows(a: np.ndarray) -> np.ndarray:
     """A 1-D C-contiguous array's elements as rows of bytes (a view)."""
@@ -48,17 +51,20 @@ def as_rows(a: np.ndarray) -> np.ndarray:
 
 
 def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """``a[idx]`` for an int64 index array (IndexError for one out of range)."""
+    """``a[idx]`` for a 1-D array and an int64 index array (IndexError for one out of range)."""
     out = np.empty(len(idx), dtype=a.dtype)
     if len(idx):
-        copy_rows(as_rows(a), idx, as_rows(out), None)
+        copy_rows(as_rows(np.ascontiguousarray(a)), idx, as_rows(out), None, MOVE_KEEP_GIL_BELOW)
     return out
 
 
 def put(a: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
-    """``a[idx] = values`` for an int64 index array and values of a's dtype."""
+    """``a[idx] = values`` for a 1-D C-contiguous array, an int64 index array and as many values
+    (of ``a``'s dtype, or cast to it); a repeated index gets its last value, as in numpy."""
+    if len(values) != len(idx):
+        raise ValueError(f"put: {len(values)} values for {len(idx)} indices")
     if len(idx):
-        copy_rows(as_rows(np.ascontiguousarray(values, dtype=a.dtype)), None, as_rows(a), idx)
+        copy_rows(as_rows(np.ascontiguousarray(values, dtype=a.dtype)), None, as_rows(a), idx, MOVE_KEEP_GIL_BELOW)
 
 
 def concat(parts: list, dtype) -> np.ndarray:
@@ -67,7 +73,8 @@ def concat(parts: list, dtype) -> np.ndarray:
     rows, at = as_rows(out), 0
     for p in parts:
         if len(p):
-            copy_rows(as_rows(np.ascontiguousarray(p, dtype=dtype)), None, rows[at:at + len(p)], None)
+            copy_rows(as_rows(np.ascontiguousarray(p, dtype=dtype)), None, rows[at:at + len(p)], None,
+                      MOVE_KEEP_GIL_BELOW)
             at += len(p)
     return out
 

@@ -194,12 +194,13 @@ struct RowCopy {
   }
 };
 
-void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optional<Index> dst_index) {
+void copy_rows(Rows src, std::optional<Index> src_index, MutRows dst, std::optional<Index> dst_index,
+               std::optional<size_t> keep_gil_below) {
   RowCopy c(src, src_index, dst, dst_index, "copy_rows");
   const uint8_t* s = src.data();
   uint8_t* d = dst.data();
   const int64_t ss = src.stride(0), ds = dst.stride(0);
-  MaybeNoGil nogil(c.si.size * c.width >= t_keep_gil_below);
+  MaybeNoGil nogil(c.si.size * c.width >= keep_gil_below.value_or(t_keep_gil_below));
   for (size_t i = 0; i < c.si.size; ++i) std::memmove(d + c.di[i] * ds, s + c.si[i] * ss, c.width);
 }
 
@@ -442,17 +443,22 @@ nb::object records_current(Rows recs, Flags live, Rows meta) {
   const size_t n = recs.shape(0), n_slots = live.shape(0);
   std::vector<int64_t> keep;
   keep.reserve(n);
+  bool bad = false;
   {
     MaybeNoGil nogil(n >= kReleaseElements);
     for (size_t i = 0; i < n; ++i) {
       const uint8_t* rec = recs.data() + int64_t(i) * recs.stride(0);
       const uint32_t s = kvtier::slot_table::slot_of(rec);
-      if (s >= n_slots) continue;           // (never: the tier writes only slots it has)
+      if (s >= n_slots) {                   // never: the tier reserves a slot's table entries before its write
+        bad = true;
+        break;
+      }
       if (live.data()[s] && kvtier::slot_table::gen_of(meta.data() + int64_t(s) * meta.stride(0)) ==
                                 kvtier::slot_table::gen_of(rec))
         keep.push_back(int64_t(i));
     }
   }
+  if (bad) throw nb::index_error("records_current: a record's slot is beyond the table");
   nb::object out = np_empty(nb::int_(keep.size()), "int64");
   if (!keep.empty()) std::memcpy(data_of<int64_t>(out), keep.data(), keep.size() * sizeof(int64_t));
   return out;
@@ -505,6 +511,9 @@ NB_MODULE(_native, m) {
         "Give the whole pages under a C-contiguous array back to the kernel (they read as zeros after), the "
         "GIL released. Only for an array about to be freed that nothing else refers to: use "
         "tiers.native.drop_arrays, which checks.");
+  m.attr("RECORD_RULES") = nb::make_tuple(kvtier::slot_table::kWrite, kvtier::slot_table::kFree,
+                                          kvtier::slot_table::kMaxKeyBytes, kvtier::slot_table::kTagAnonymous,
+                                          kvtier::slot_table::kTagNone, kvtier::slot_table::kMaxPriority);
   m.def("bounds_i64", &bounds_i64, "a"_a.noconvert(), "(min, max) of a non-empty int64 array, the GIL kept.");
   m.def("flags_any", &flags_any, "flags"_a.noconvert(), "slots"_a.noconvert(),
         "Whether any of flags[slots] is set (slot_table.hpp: the disk tier's per-slot flags, the GIL kept).");
@@ -530,9 +539,9 @@ NB_MODULE(_native, m) {
         "(order, has_duplicates): the stable argsort of an int64 array, and whether any two elements are "
         "equal; the GIL is kept for small arrays (numpy's argsort always gives it up).");
   m.def("copy_rows", &copy_rows, "src"_a.noconvert(), "src_index"_a.noconvert().none(), "dst"_a.noconvert(),
-        "dst_index"_a.noconvert().none(),
+        "dst_index"_a.noconvert().none(), "keep_gil_below"_a = nb::none(),
         "dst[dst_index[i]] = src[src_index[i]] (None: rows in order), one memmove per row; the GIL is released "
-        "for a batch of at least the thread's keep_gil_below.");
+        "for a batch of at least keep_gil_below bytes (None: the thread's keep_gil_below).");
   nb::class_<kvtier::CopyWorker>(m, "CopyWorker",
                                  "A thread that runs copy_rows jobs without the GIL (copy_worker.hpp): submit "
                                  "queues one and returns its id; a byte on the pipe `fd` says some are done; "
