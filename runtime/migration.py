@@ -38,13 +38,12 @@ from .stats import MoveStats
 
 log = logging.getLogger("kvtier")
 # An emulated GPU<->host copy this small runs on the loop (a disk read from the page cache too,
-# up to the disk tier's CACHED_READ_MAX) rather than on its stream's thread: up to about 1 ms
-# of memcpy. A hop to the thread cost a wait for it to start (the GIL behind a busy
+# up to the disk tier's CACHED_READ_MAX) rather than on its stream's thread: a refill step of small
+# pages (reclaim.REFILL_BYTES), about
+# 0.2-0.5 ms of memcpy. A hop to the thread cost a wait for it to start (the GIL behind a busy
 # loop) and a loop turn to hear back; a request short of GPU slots waited 0.65 ms on average for
-# a demotion's copy there. From 256 KiB to 2 MiB: +19 % at concurrency 1, +21 % at 32; from 2 to
-# 8 MiB (the demotions of a line of requests at concurrency 32 passed 2 MiB, and the loop sat
-# idle while the copy thread ran them): medians +7 % at 1 and at 32, 4 of 5 pairs each (docs/BENCH.md).
-INLINE_BYTES = 8 << 20
+# a demotion's copy there. From 256 KiB to 2 MiB: +19 % at concurrency 1, +21 % at 32 (docs/BENCH.md).
+INLINE_BYTES = 2 << 20
 # A spill this small is written behind (MigrationEngine._spill_behind): its rows are gathered into a
 # staging buffer on the loop (about 0.4 ms for 4 MiB here) and its pages land before the write.
 # Against none: +7 % at concurrency 1, +13 % at 32 (4 of 5 pairs each); 8 MiB measured no better.

@@ -61,7 +61,7 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
 
 # The loop's thread keeps the GIL through native copies and checksums smaller than this (workers
 # below 64 KiB): giving it up for a copy of a few hundred KiB cost a wait to get it back that was
-# longer than the copy (tiers/native/module.cpp). The loop's own copies go up to 8 MiB inline and
+# longer than the copy (tiers/native/module.cpp). The loop's own copies go up to 2 MiB inline and
 # 4 MiB gathered (migration.INLINE_BYTES, BEHIND_BYTES), and those above this give the GIL up: a
 # 2 MiB copy took 0.14 ms alone and 8.7 ms at p99 against a spinning Python thread (review,
 # session 15). Keeping it through 4 MiB cost the three-tier replay 16 % at concurrency 1 (1 of 5
