@@ -91,7 +91,8 @@ def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
     replay, lean, floor = [r for r in out["rows"] if r["bench"].startswith("replay")]
     core = {r["bench"].split(" (")[0]: r for r in out["rows"] if r["bench"].startswith("core: ")}
     for name in ("core: GPU-only replay, nothing evicted", "core: GPU-only replay, 4096 blocks",
-                 "core: three-tier replay 4096/16384/65536, fsync on", "core: three-tier replay at concurrency 32"):
+                 "core: three-tier replay 4096/16384/65536, fsync on", "core: three-tier replay at concurrency 32",
+                 "core: disk spills beside a thread running Python"):
         row = core[name]
         assert row["value"] > 0 and row["baseline"] > 0 and abs(row["ratio"] - row["value"] / row["baseline"]) < 0.01
     meta = next(r for n, r in core.items() if n.startswith("core: metadata per indexed page"))
