@@ -440,9 +440,13 @@ class Store:
             keys = list(block_keys) if isinstance(block_keys, (list, tuple)) else check_block_keys(block_keys)
             try:
                 sid, matched, by_tier = core.open(keys, priority)     # checks ints and bytes in C++
+                failed = False
             except (ValueError, TypeError):
+                failed = True
+            if failed:
                 # numpy ints, bools, mixed kinds...: the Python check names the problem or
-                # normalises the keys (nothing changed in the core)
+                # normalises the keys (nothing changed in the core); outside the handler, so that
+                # its UsageError does not carry the core's message as its context
                 keys = check_block_keys(block_keys)
                 try:
                     sid, matched, by_tier = core.open(keys, priority)

@@ -276,10 +276,12 @@ def format_table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="GiB spilled and recalled per page size (default 1)")
-    ap.add_argument("--dir", default=None, help="directory to test in (default: the current one, else /tmp)")
-    ap.add_argument("--sizes", default="64KiB,256KiB,1MiB,2MiB", help="comma-separated page sizes")
+    ap.add_argument("--dir", default=None, help="directory to test in (default: the current one, else /tmp); a scratch "
+                                                 "directory inside it is removed after")
+    ap.add_argument("--sizes", default="64KiB,256KiB,1MiB,2MiB", help="comma-separated page sizes: bytes, or with K/KiB, M/MiB or G/GiB (default 64KiB,256KiB,1MiB,2MiB)")
     ap.add_argument("--batch", type=int, default=64, help="pages per write/read call (default 64)")
-    ap.add_argument("--o-direct", default="auto", choices=("auto", "on", "off"), help="DiskTier o_direct mode")
+    ap.add_argument("--o-direct", default="auto", choices=("auto", "on", "off"),
+                    help="DiskTier o_direct mode (default auto: O_DIRECT writes from 64 KiB pages up)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per measurement, best kept (default 2)")
     ap.add_argument("--torch-buffers", action="store_true",
                     help="host buffers from torch's allocator instead of page-aligned ones (pinned-like)")

@@ -9,8 +9,13 @@ copy and page-cache I/O speeds measured in this run (bookkeeping aside).
 
 Then the native core's rows (runtime.tools.bench_core): GPU-only replays,
 three tiers with fsync on, metadata bytes per indexed page, the loop held by
-one 4096-block request, concurrency 32 against 1, and reopening a disk tier
-of a million pages (``--no-core`` skips them, ``--quick`` shrinks them).
+one 4096-block request, concurrency 32 against 1, reopening a disk tier of a
+million pages, KV events on against off, disk write-through against
+write-back, and the disk tier's spills beside a thread running Python against
+alone (``--no-core`` skips them, ``--quick`` shrinks them). README.md's
+"Reading the benchmark numbers" explains each row; there ``store``, ``lean``
+and ``floor`` below are the ``replay``, ``replay lean bound`` and ``replay
+movement floor`` rows of ``kvtier bench``.
 
     python scripts/bench_runtime.py [--trace PATH] [--limit N] [--quick] [--no-core] [--json]
 """
@@ -65,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"floor      {row['movement_floor']:>12,} blocks/s   the same page moves at raw copy and "
                   f"page-cache I/O speed, no bookkeeping")
             print(f"           {row['floor_ratio']:.4f}  (floor / bare)   {row['ratio_to_floor']:.3f}  (store / floor)")
+        width = max([62] + [len(r["bench"]) for r in core_rows])
         for r in core_rows:
-            ratio = "" if r["ratio"] is None else f"ratio {r['ratio']:.4g} to {r['baseline']:,} ({r['baseline_is']})"
+            ratio = "" if r["ratio"] is None else \
+                f"ratio {r['ratio']:.4g} to {r['baseline']:,} {r['unit']} ({r['baseline_is']})"
             extra = r["baseline_is"] if r["ratio"] is None else ratio
-            print(f"{r['bench']:<62} {r['value']:>12,} {r['unit']:<9} {extra}")
+            print(f"{r['bench']:<{width}} {r['value']:>12,} {r['unit']:<9} {extra}")
     return 0
 
 

@@ -182,6 +182,9 @@ async def test_numpy_integers_are_tokens_and_keys_and_oversized_extends_are_misu
         assert seq.keys == same.keys
         keyed = await store.open_sequence(block_keys=[np.int32(5), 6])
         assert keyed.keys == [5, 6] and all(type(k) is int for k in keyed.keys)
+        with pytest.raises(UsageError, match="mixes int and bytes") as e:
+            await store.open_sequence(block_keys=[1, b"ab"])
+        assert e.value.__context__ is None          # the core's own ValueError is not shown beside it
         with pytest.raises(UsageError, match="holds 8"):
             await seq.extend(10**30)
         assert seq.num_blocks == 0

@@ -11,6 +11,15 @@ def kvtier(*args: str, check: bool = True) -> subprocess.CompletedProcess:
                           check=check, timeout=300)
 
 
+def test_output_to_a_reader_that_leaves_early_ends_quietly():
+    """``kvtier demo --json | head``: the CLI stops at the broken pipe, no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "runtime.tools.cli", "demo", "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()                # gone before the demo prints (it replays for a few seconds first)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and "Traceback" not in err, err
+
+
 def test_stress_with_faults_and_restarts():
     out = json.loads(kvtier("stress", "--ops", "300", "--seed", "3", "--faults", "--json").stdout)
     assert out["ops"] == 300

@@ -360,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader left (``kvtier demo --json | head``): no traceback, and none again when
+        # Python flushes stdout at exit (the documented way: stdout pointed at devnull)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
