@@ -30,8 +30,8 @@ from tiers._native import (CopyWorker, argsort_i64, bounds_i64, copy_rows, flags
                            record_identities, records_current, records_frees, records_malformed, records_slots,
                            records_stamp_writes, release_pages, xxh64, xxh64_rows, RECORD_RULES)
 
-__all__ = ["CopyWorker", "RECORD_RULES", "argsort_i64", "as_rows", "bounds_i64", "concat", "copy_rows", "drop_arrays", "flags_any",
-           "flags_first_neither", "flags_select", "flags_set", "iota_u64", "keep_gil_below", "pread_rows",
+__all__ = ["CopyWorker", "RECORD_RULES", "argsort_i64", "as_rows", "bounds_i64", "concat", "copy_rows",
+           "drop_arrays", "flags_any", "flags_first_neither", "flags_select", "flags_set", "iota_u64", "keep_gil_below", "pread_rows",
            "pwrite_all", "pwrite_rows", "put", "record_identities", "records_current", "records_frees",
            "records_malformed", "records_slots", "records_stamp_writes", "take", "xxh64", "xxh64_rows"]
 
@@ -42,6 +42,7 @@ __all__ = ["CopyWorker", "RECORD_RULES", "argsort_i64", "as_rows", "bounds_i64",
 # records: a group commit's; about 50 us of copying) on any thread. Indices are int64 and
 # non-negative (IndexError otherwise: numpy would count a negative one from the end).
 MOVE_KEEP_GIL_BELOW = 1 << 20
+
 
 def as_rows(a: np.ndarray) -> np.ndarray:
     """A 1-D C-contiguous array's elements as rows of bytes (a view)."""
