@@ -173,7 +173,7 @@ def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | No
     else:
         out = torch.empty((len(slots), src.shape[1]), dtype=src.dtype, device=device)
     runs = _runs(slots)
-    if _host(src) is None and len(runs) >= 4 and _nbytes(out) <= GATHER_MAX_BYTES and _staging_allowed():
+    if _host(src) is None and len(runs) >= 4 and out.nbytes <= GATHER_MAX_BYTES and _staging_allowed():
         try:                            # one gather kernel on the GPU, then one copy
             out.copy_(_gather_on_device(src, slots), non_blocking=True)
             return out
@@ -254,10 +254,6 @@ def _staging_failed() -> None:
     global _staging_off_until
     _staging_off_until = time.monotonic() + STAGING_OOM_PAUSE
     log.info("no GPU memory for a copy's staging: copying run by run for %.1f s", STAGING_OOM_PAUSE)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

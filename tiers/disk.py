@@ -212,12 +212,6 @@ def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def _iota(first: int, n: int) -> np.ndarray:
-    """``first, first + 1, ...`` (``n`` of them) as uint64. ``np.arange`` gives up the GIL even for
-    a handful, and a disk thread that gives it up under a busy event loop waits to get it back."""
-    return iota_u64(first, n)
-
-
 def _remove(path: str) -> None:
     """Remove a file, link or directory tree at ``path``."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -456,7 +450,7 @@ class _Group:
     def add_pending(self, slots: np.ndarray, first_gen: int) -> None:
         flags_set(self.pending, slots, True)
         self.pending_slots.append(slots)
-        self.pending_gens.append(_iota(first_gen, len(slots)))
+        self.pending_gens.append(iota_u64(first_gen, len(slots)))
         self.n_pending += len(slots)
 
     def pieces(self, sorted_slots: np.ndarray, split: bool = True) -> list[tuple[int, int]]:
@@ -1576,13 +1570,14 @@ class DiskTier:
                     raise StoreClosedError("disk tier is closed")
                 self._usable(g)
                 sorted_slots = take(sl, order)
-                g.reserve(int(sorted_slots[-1]) + 1)
+                end = int(sorted_slots[-1]) + 1
+                g.reserve(end)
                 if flags_any(g.live, sl):
                     raise UsageError(f"slot {int(sl[g.live[sl]][0])} of disk group {g.index} holds a live page; "
                                      "free it first")
                 t1 = time.perf_counter()
                 hashes = np.zeros(n, dtype=np.uint64)
-                self._ensure_size(g, (int(sorted_slots[-1]) + 1) * g.stride)
+                self._ensure_size(g, end * g.stride)
                 frees_first = flags_any(g.pending, sl)
             # 1. frees of the target slots must be durable before their old bytes are overwritten
             if frees_first:
@@ -1885,7 +1880,7 @@ class DiskTier:
             out["kind"] = WRITE
             out["slot"] = sl
             gen = self._take_gens(len(sl))
-            out["gen"] = _iota(gen, len(sl))
+            out["gen"] = iota_u64(gen, len(sl))
             out["csum"] = old["csum"] ^ journal.identity(old, self._fp) ^ journal.identity(out, self._fp)
             journal.put(g.meta, sl, out)
             g.queue(out, bool(g.journaled[sl].all()))    # bytes journaled before are synced
@@ -1895,7 +1890,7 @@ class DiskTier:
             # since another commit may have journaled ours before this one failed
             ours = g.live[sl] & (g.meta["gen"][sl] == out["gen"])
             back = journal.copy(journal.take(old, ours))
-            back["gen"] = _iota(self._take_gens(len(back)), len(back))
+            back["gen"] = iota_u64(self._take_gens(len(back)), len(back))
             journal.put(g.meta, sl[ours], back)
             g.queue(back, bool(g.journaled[sl[ours]].all()))
             self._commit_soon(g)

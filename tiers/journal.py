@@ -223,8 +223,7 @@ def identity(recs: np.ndarray, fp: int) -> np.ndarray:
     call per batch, where numpy took 27 array operations."""
     if not isinstance(recs, np.ndarray) or recs.dtype != RECORD or recs.ndim != 1:
         raise UsageError("identity takes a 1-D array of journal records (journal.RECORD)")
-    rows = np.ascontiguousarray(recs).view(np.uint8).reshape(-1, RECORD.itemsize)
-    return record_identities(rows, fp)
+    return record_identities(rows(recs), fp)
 
 
 # -- frames ------------------------------------------------------------------------------------------

@@ -59,6 +59,23 @@ class MaybeNoGil {
   std::optional<nb::gil_scoped_release> release_;
 };
 
+// Results are numpy arrays made first (numpy owns their memory), then filled through data_of.
+nb::object np_empty(nb::handle shape, const char* dtype) {
+  return nb::module_::import_("numpy").attr("empty")(shape, "dtype"_a = dtype);
+}
+
+template <class T>
+T* data_of(nb::object& a) {
+  return nb::cast<nb::ndarray<T, nb::device::cpu, nb::c_contig>>(a).data();
+}
+
+// A new int64 numpy array holding v[0:k].
+nb::object int64_array(const std::vector<int64_t>& v, size_t k) {
+  nb::object out = np_empty(nb::int_(k), "int64");
+  if (k) std::memcpy(data_of<int64_t>(out), v.data(), k * sizeof(int64_t));
+  return out;
+}
+
 // XXH64 of rows[index[i]] (or of every row when index is None), each row's
 // bytes contiguous; rows may have any row stride.
 nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
@@ -72,9 +89,8 @@ nb::object xxh64_rows(Rows rows, std::optional<Index> index, uint64_t seed) {
       int64_t r = index->data()[int64_t(i) * idx_stride];
       if (r < 0 || size_t(r) >= n_rows) throw nb::index_error("xxh64_rows: row index out of range");
     }
-  // The result is a numpy array made first, so that numpy owns its memory.
-  nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "uint64");
-  uint64_t* dst = nb::cast<U64>(out).data();
+  nb::object out = np_empty(nb::int_(n), "uint64");
+  uint64_t* dst = data_of<uint64_t>(out);
   {
     MaybeNoGil nogil(n * width >= t_keep_gil_below);
     const uint8_t* base = rows.data();
@@ -92,8 +108,8 @@ nb::object record_identities(Rows records, uint64_t fp) {
   if (records.shape(0) && (records.shape(1) != kvtier::kRecordBytes || records.stride(1) != 1))
     throw nb::value_error("record_identities: rows must be 64 contiguous bytes (journal records)");
   const size_t n = records.shape(0);
-  nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "uint64");
-  uint64_t* dst = nb::cast<U64>(out).data();
+  nb::object out = np_empty(nb::int_(n), "uint64");
+  uint64_t* dst = data_of<uint64_t>(out);
   const uint8_t* base = records.data();
   const int64_t stride = records.stride(0);
   for (size_t i = 0; i < n; ++i) dst[i] = kvtier::record_identity(base + int64_t(i) * stride, fp);
@@ -107,8 +123,8 @@ nb::tuple argsort_i64(Index a) {
   const size_t n = a.shape(0);
   const int64_t* v = a.data();
   const int64_t st = a.stride(0);
-  nb::object out = nb::module_::import_("numpy").attr("empty")(n, "dtype"_a = "int64");
-  int64_t* order = nb::cast<nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>>(out).data();
+  nb::object out = np_empty(nb::int_(n), "int64");
+  int64_t* order = data_of<int64_t>(out);
   bool dup = false;
   {
     MaybeNoGil nogil(n >= kReleaseElements);
@@ -267,7 +283,7 @@ nb::object pread_rows(int fd, MutRows out, Index index, Index offsets, size_t st
   if (out.shape(1) && out.stride(1) != 1) throw nb::value_error("pread_rows: each row's bytes must be contiguous");
   RowIoArgs a(out.data(), out.shape(0), out.stride(0), out.shape(1), index, offsets, stride, "pread_rows");
   nb::object moved = nb::module_::import_("numpy").attr("zeros")(a.io.n, "dtype"_a = "int64");
-  int64_t* m = nb::cast<nb::ndarray<int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>>(moved).data();
+  int64_t* m = data_of<int64_t>(moved);
   int err;
   {
     std::optional<nb::gil_scoped_release> nogil;
@@ -351,15 +367,6 @@ using Flags = nb::ndarray<const bool, nb::ndim<1>, nb::device::cpu, nb::c_contig
 using MutFlags = nb::ndarray<bool, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
 using ConstU64 = nb::ndarray<const uint64_t, nb::ndim<1>, nb::device::cpu>;
 
-nb::object np_empty(nb::handle shape, const char* dtype) {
-  return nb::module_::import_("numpy").attr("empty")(shape, "dtype"_a = dtype);
-}
-
-template <class T>
-T* data_of(nb::object& a) {
-  return nb::cast<nb::ndarray<T, nb::device::cpu, nb::c_contig>>(a).data();
-}
-
 // A batch's slots, each checked to index a table of n entries (IndexError otherwise).
 kvtier::slot_table::Slots table_slots(const Index& slots, size_t n, const char* what) {
   kvtier::slot_table::Slots s{slots.data(), slots.stride(0), slots.shape(0)};
@@ -396,9 +403,7 @@ nb::object flags_select(Flags flags, Index slots, bool value) {
     MaybeNoGil nogil(s.n >= kReleaseElements);
     k = kvtier::slot_table::select(bytes_of(flags), s, value, picked.data());
   }
-  nb::object out = np_empty(nb::int_(k), "int64");
-  if (k) std::memcpy(data_of<int64_t>(out), picked.data(), k * sizeof(int64_t));
-  return out;
+  return int64_array(picked, k);
 }
 
 int64_t flags_first_neither(Flags a, Flags b, Index slots) {
@@ -459,9 +464,7 @@ nb::object records_current(Rows recs, Flags live, Rows meta) {
     }
   }
   if (bad) throw nb::index_error("records_current: a record's slot is beyond the table");
-  nb::object out = np_empty(nb::int_(keep.size()), "int64");
-  if (!keep.empty()) std::memcpy(data_of<int64_t>(out), keep.data(), keep.size() * sizeof(int64_t));
-  return out;
+  return int64_array(keep, keep.size());
 }
 
 nb::object records_frees(Index slots, ConstU64 gens) {
