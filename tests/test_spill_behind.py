@@ -290,3 +290,43 @@ async def test_a_slot_two_queued_writes_fill_is_never_read_from_staged_rows(tmp_
             assert not eng._read_staged(0, [7], out[:1], [old])
         finally:
             eng.staged.clear()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_a_reserve_refill_writes_from_the_host_slots_and_fences_them(tmp_path, fail):
+    """A background refill's spill (``Batch.from_slab``) copies nothing on the loop: its write
+    reads the host slots themselves, so they go back fenced by the write, and a demotion into
+    them waits for it. Its pages read back exact (or, if the write fails, only they are lost)."""
+    async with Store.open(config(gpu=4, host=8, disk=64, disk_dir=tmp_path)) as store:
+        for base in range(1, 4):
+            await fill(store, toks(base, 4))                # base 3 on the GPU, 1 and 2 on the host
+        await store.drain()
+        made = store.engine.staging.allocated
+        gate = threading.Event()
+        store.engine.io_write.submit(gate.wait)             # the disk writer is busy
+        demoting = None
+        try:
+            if fail:
+                store.disk.inject_fault("write", errno.EIO)
+            victims = store._pick_victims(1, 0, 4)          # base 1, least recently used
+            freed = await asyncio.wait_for(store._evict(1, victims, background=True), 10)
+            assert len(freed) == 4 and len(store.engine.behind) == 1
+            assert store.engine.staging.allocated == made and not store.engine.staged    # nothing copied
+            write = next(iter(store.engine.behind))
+            fences = list(store.core.slot_fences(1, 0, freed))
+            assert all(fences) and store.events.all(fences) == [write]
+            store.core.give_back(1, 0, freed)
+            demoting = asyncio.ensure_future(fill(store, toks(4, 4)))   # base 3 to the host: those slots
+            await asyncio.sleep(0.1)
+            assert not demoting.done() and not write.query()
+        finally:
+            gate.set()
+        await asyncio.wait_for(demoting, 10)
+        await store.drain()
+        store.check_consistency()
+        assert store.stats()["moves"]["host->disk"]["failures"] == int(fail)
+        for base in (2, 3, 4):
+            assert await read_all(store, base) == (4, [])
+        matched, redo = await read_all(store, 1)
+        assert (matched, redo) == ((0, []) if fail else (4, []))
+        store.check_consistency()
