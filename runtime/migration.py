@@ -108,9 +108,7 @@ class Batch:
     records: Callable[[], np.ndarray]   # their disk journal records (called on the loop, for writes to disk)
     tee: Callable[[torch.Tensor], None] | None = None   # GPU->host: gets a copy of the landed cold rows
     behind: bool = False                # host->disk: the pages may land before their write (see _spill_behind)
-    from_slab: bool = False             # ... and that write reads the host slots themselves (a reserve's refill)
-    early: bool = False                 # set by the engine: the pages land before their write ends
-    released: bool = False              # ... and the source rows were copied out: no slot fence
+    released: bool = False              # set by the engine: the source rows were copied out, no slot fence
     pages: object = None                # the store's handle of the pages, and the id of the ready event
     ready_id: int = 0                   # they landed with: given back if a write behind fails
 
@@ -154,10 +152,6 @@ _HOST = torch.device("cpu")
 
 def _index(slots: Sequence[int]) -> np.ndarray:
     return np.asarray(slots, dtype=np.int64)
-
-
-def _nothing() -> None:
-    """A give-back for rows nobody lent."""
 
 
 def gather(src: Rows, slots: Sequence[int], device: torch.device, out: Rows | None = None) -> Rows:
@@ -509,7 +503,7 @@ class MigrationEngine:
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
         if record:
             self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
-            if not batch.early:         # a write behind: when it ends (_behind_done)
+            if not batch.released:      # a write behind: when it ends (_behind_done)
                 self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev
 
@@ -614,17 +608,11 @@ class MigrationEngine:
     async def _spill_behind(self, busy: list[float], batch: Batch, src: np.ndarray, group: int,
                             dst_slots: Sequence[int], records: np.ndarray, fences: Sequence[Event | None],
                             t_start: float) -> Event:
-        """A small spill written behind: the write is queued on the write stream and the returned
-        event is the write's, not awaited. The caller lands the pages at once, their ready event
-        the write's (a read waits for it; ``batch.early``).
-
-        A spill on demand makes room for a copy waiting for its host slots, so its rows are first
-        copied to a staging buffer here on the loop and its slots go back unfenced
-        (``batch.released``): that copy no longer waits for a disk write (a start behind the GIL,
-        a checksum and a pwrite). A reserve's refill (``batch.from_slab``) gives its slots back
-        to the pool, where fenced slots are handed out last (allocator.hpp): its write reads the
-        host slots themselves, fenced by the write, and the loop copies nothing (the staging copy
-        was 0.17 s of a 1.2 s three-tier replay, at 4 GB/s).
+        """A small spill written behind: the rows are copied to a staging buffer here on the loop
+        and the write is queued on the write stream; the returned event is the write's, not
+        awaited. The caller lands the pages at once, their ready event the write's (a read waits
+        for it) and their host slots unfenced (``batch.released``): a demotion waiting for host
+        slots no longer waits for a disk write (a start behind the GIL, a checksum and a pwrite).
 
         For pages the store may lose (``Batch.behind``: all published and unheld). If the write
         fails, the disk tier forgets the slots (``DiskTier.forget``) and the store drops the pages
@@ -635,30 +623,24 @@ class MigrationEngine:
         if pending:
             await wait_events(pending)      # rows still arriving in the host slots
         n = len(batch.src_slots)
-        index: np.ndarray | None = _index(batch.src_slots)
-        nbytes = n * src.shape[1]
-        if batch.from_slab:
-            rows, give_back = src, _nothing
-        else:
-            t0 = time.perf_counter()
-            rows, give_back = self.staging.lend_array(n, src.shape[1])
-            try:
-                _copy_rows(src, index, rows, None)
-            except BaseException:
-                give_back()
-                raise
-            index = None
-            busy[0] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rows, give_back = self.staging.lend_array(n, src.shape[1])
+        try:
+            _copy_rows(src, _index(batch.src_slots), rows, None)
+        except BaseException:
+            give_back()
+            raise
+        busy[0] += time.perf_counter() - t0
         for e in set(fences):           # the disk slots' last readers: the write queues behind them
             if e is not None and not e.query():
                 self.io_write.wait_event(e)
-        disk, slots, ran = self.disk, list(dst_slots), [False, 0.0, nbytes]    # ran, seconds, bytes in flight
+        disk, slots, ran = self.disk, list(dst_slots), [False, 0.0, rows.nbytes]    # ran, seconds, bytes staged
 
         def job() -> None:
             ran[0] = True
             t = time.perf_counter()
             try:
-                disk.write(group, slots, rows, records, index=index, durable=False)
+                disk.write(group, slots, rows, records, durable=False)
             except BaseException as exc:
                 self._forget(group, slots, exc)
                 raise
@@ -666,11 +648,9 @@ class MigrationEngine:
                 ran[1] = time.perf_counter() - t
         ev = self.io_write.submit(job)
         self.behind.add(ev)
-        if self.staged is not None and index is None:
-            # the host slots of a write from the slab are not the page's once the write ends, and
-            # the next owner's copy may run on a thread: only staged rows are read from (_read_staged)
+        if self.staged is not None:
             self.staged[ev] = (group, np.asarray(slots, dtype=np.int64), rows, give_back)
-        self.behind_bytes += nbytes
+        self.behind_bytes += ran[2]
         loop = self.loop or asyncio.get_running_loop()
 
         def done(error: BaseException | None) -> None:
@@ -680,8 +660,7 @@ class MigrationEngine:
             except RuntimeError:        # the loop is gone: nobody counts any more
                 pass
         ev.add_done_callback(done)
-        batch.early = True
-        batch.released = not batch.from_slab
+        batch.released = True
         return ev
 
     def _forget(self, group: int, slots: list[int], exc: BaseException) -> None:

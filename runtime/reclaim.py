@@ -100,7 +100,7 @@ class Reclaimer:
                 return
             n = len(victims)
             store.refilling_add(key, n)
-            task = store._spawn(store._evict(self.tier, victims, background=True))
+            task = store._spawn(store._evict(self.tier, victims))
 
             def settled(t: asyncio.Task, n: int = n) -> None:
                 if not t.cancelled() and t.exception() is None:

@@ -931,13 +931,12 @@ class Store:
         self.claims.open(claims, False)
         return victims
 
-    async def _evict(self, tier: int, victims: Pages, background: bool = False) -> list[int]:
+    async def _evict(self, tier: int, victims: Pages) -> list[int]:
         """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller.
         Under write-through, victims bound for the disk that have a clean copy there take over
-        their copy's slot: no bytes move. ``background``: a reserve's refill (reclaim.py), whose
-        slots go back to the pool, not to a copy waiting for them (see Batch.from_slab)."""
+        their copy's slot: no bytes move."""
         if self.write_through is None or self.next_tier[tier] != DISK:
-            return await self._evict_claimed(tier, victims, background)
+            return await self._evict_claimed(tier, victims)
         group = self.core.page_info(victims.slice(0, 1).tolist()[0])["group"] if victims else 0
         claims, handed, victims = self.core.swap_to_copies(victims)
         self.claims.settle(claims)
@@ -945,12 +944,12 @@ class Store:
         if not victims:
             return handed
         try:
-            return handed + await self._evict_claimed(tier, victims, background)
+            return handed + await self._evict_claimed(tier, victims)
         except BaseException:
             self.core.give_back(tier, group, handed)    # the moved victims' slots: nobody takes them now
             raise
 
-    async def _evict_claimed(self, tier: int, victims: Pages, background: bool = False) -> list[int]:
+    async def _evict_claimed(self, tier: int, victims: Pages) -> list[int]:
         nxt = self.next_tier[tier]
         while nxt is not None:
             try:
@@ -967,7 +966,7 @@ class Store:
                 raise
             else:
                 try:
-                    return await self._move_claimed(victims, nxt, slots, handoff=True, background=background)
+                    return await self._move_claimed(victims, nxt, slots, handoff=True)
                 except DiskFullError as exc:
                     # the filesystem takes no more: the disk keeps what it has, and victims that are
                     # only cached copies are dropped instead of spilled (a later spill retries)
@@ -1022,7 +1021,7 @@ class Store:
                         "room again; %d spill(s) refused so far", exc, self.disk_full_events)
 
     async def _move_claimed(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
-                            handoff: bool, background: bool = False) -> list[int]:
+                            handoff: bool) -> list[int]:
         """Move claimed pages into ``slots`` (per destination group). Batches
         run concurrently, one per (source tier, source group, destination
         group). With ``handoff`` the source slots are returned to the caller
@@ -1031,12 +1030,12 @@ class Store:
         batches = self.core.split_batches(pages, dst_tier)
         if len(batches) == 1:           # the common case, one batch: no task, no gather
             _, _, g, batch = batches[0]
-            return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff, background)
+            return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff)
         jobs = []
         for _, _, g, batch in batches:
             mine = sorted(slots[g][:len(batch)])
             del slots[g][:len(batch)]
-            jobs.append(self._spawn(self._move_batch(batch, dst_tier, g, mine, handoff, background)))
+            jobs.append(self._spawn(self._move_batch(batch, dst_tier, g, mine, handoff)))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         freed, error = [], None
         for r in results:
@@ -1052,7 +1051,7 @@ class Store:
         return freed
 
     async def _move_batch(self, batch: Pages, dst_tier: int, g: int, dst_slots: list[int],
-                          handoff: bool, background: bool = False) -> list[int]:
+                          handoff: bool) -> list[int]:
         core = self.core
         src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
         fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
@@ -1061,7 +1060,6 @@ class Store:
         # a spill of pages the store may lose is written behind (migration._spill_behind); not with
         # a remote tier, whose write-back reads disk victims before their drop
         job.behind = src_tier == HOST and dst_tier == DISK and self.remote is None and core.droppable(batch)
-        job.from_slab = job.behind and background
         reserved = 0
         if self.remote is not None and self.remote.settings.write == "through" and src_tier == GPU:
             # leaving the GPU: write-through to the remote tier
@@ -1100,8 +1098,8 @@ class Store:
         if reserved:                            # the tee never ran (its copy failed): nothing to write
             self.remote.release(reserved)
             self.remote.skipped_pages += len(src_slots)
-        ready = self.events.id(ev, keep=job.early)     # a write behind may have failed already
-        if job.early:
+        ready = self.events.id(ev, keep=job.released)     # a write behind may have failed already
+        if job.released:
             job.pages, job.ready_id = batch, ready
         claims, freed = core.land(batch, dst_tier, g, dst_slots, ready, handoff, 0 if job.released else None)
         self.claims.settle(claims)

@@ -368,9 +368,9 @@ async def test_requests_short_of_slots_wait_in_line_and_the_first_evicts_for_all
         started, go = asyncio.Event(), asyncio.Event()
         evict = store._evict
 
-        async def held_evict(tier, victims, **kw):  # the first eviction waits until all are in line
+        async def held_evict(tier, victims):        # the first eviction waits until all are in line
             await go.wait()
-            return await evict(tier, victims, **kw)
+            return await evict(tier, victims)
         store._evict = held_evict
 
         async def request(j: int) -> None:
@@ -427,9 +427,9 @@ async def test_the_line_batch_fits_the_next_tier_and_fitting_requests_do_not_que
         go = asyncio.Event()
         evict = store._evict
 
-        async def held_evict(tier, victims, **kw):  # the first eviction waits until all are in line
+        async def held_evict(tier, victims):    # the first eviction waits until all are in line
             await go.wait()
-            return await evict(tier, victims, **kw)
+            return await evict(tier, victims)
         store._evict = held_evict
         tasks = [asyncio.ensure_future(one(store, list(range(30_000 + 10 * j, 30_006 + 10 * j))))
                  for j in range(8)]
@@ -509,9 +509,9 @@ async def test_the_first_in_line_is_not_starved_by_requests_that_fit():
         go = asyncio.Event()
         evict = store._evict
 
-        async def gated(tier, victims, **kw):       # demotions land only when the test says
+        async def gated(tier, victims):             # demotions land only when the test says
             await go.wait()
-            return await evict(tier, victims, **kw)
+            return await evict(tier, victims)
         store._evict = gated
         stop = False
 
