@@ -758,16 +758,16 @@ def test_a_compaction_whose_directory_sync_fails_loses_no_later_write(tmp_path, 
     import tiers.disk as disk
     tier = open_tier(tmp_path / "d", groups=[(4096, 256)], o_direct="off")
     write_keys(tier, 0, [0], [1])
-    real = disk._fsync_dir
+    real = disk.fsync_dir
 
     def failing(path):
         raise OSError(errno.EIO, "injected EIO on the directory fsync")
-    monkeypatch.setattr(disk, "_fsync_dir", failing)
+    monkeypatch.setattr(disk, "fsync_dir", failing)
     with pytest.raises(TierIOError):
         tier.checkpoint(0)
     with pytest.raises(TierIOError):               # nothing is acknowledged while the rename is not durable
         write_keys(tier, 0, [5], [6])
-    monkeypatch.setattr(disk, "_fsync_dir", real)
+    monkeypatch.setattr(disk, "fsync_dir", real)
     write_keys(tier, 0, [1, 2, 3], [2, 3, 4])
     crash = crash_image(tier, tmp_path / "crash")
     tier.close()

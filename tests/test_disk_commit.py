@@ -614,7 +614,7 @@ def test_an_idle_commit_reports_a_directory_sync_failure_typed(tmp_path, monkeyp
 
         def failing(path):
             raise OSError(errno.EIO, "simulated")
-        monkeypatch.setattr(disk_mod, "_fsync_dir", failing)
+        monkeypatch.setattr(disk_mod, "fsync_dir", failing)
         with pytest.raises(TierIOError):
             tier.flush()
         monkeypatch.undo()

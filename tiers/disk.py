@@ -1,5 +1,9 @@
 """The disk tier: durable, slot-addressed spill files for cold pages.
 
+This module holds ``DiskTier``; a group's slot table is ``tiers/disk_group.py``, the
+journal's format ``tiers/journal.py`` and its replay at open ``tiers/journal_replay.py``,
+and the system-call helpers (vectored I/O, typed errors, the I/O sizes) ``tiers/disk_io.py``.
+
 Data plane only: every call blocks, no asyncio here. The runtime calls it from
 worker threads; the tier's own committer thread journals deferred writes. A
 pool group's lock serialises what reads or changes its slot table; a write
@@ -132,11 +136,9 @@ import fcntl
 import logging
 import mmap
 import os
-import shutil
 import threading
 import time
 import weakref
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
@@ -145,37 +147,30 @@ import numpy as np
 import torch
 
 from . import journal
-from .native import (argsort_i64, bounds_i64, concat, drop_arrays, flags_any, flags_first_neither, flags_select, flags_set,
-                     iota_u64, pread_rows, pwrite_all, pwrite_rows, records_current, records_slots, take,
-                     xxh64_rows)
+from .disk_group import DiskGroup
+from .disk_io import (ALIGN, FULL_ERRNOS, IO_THREADS, PIECE_BYTES, aligned_buffer, first_difference, flatnonzero,
+                      fsync_dir, packb, preadv_all, pwritev_all, remove, round_up, typed_error, unpackb)
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
-from .journal import FRAME, RECORD, WRITE, PageRecord
+from .journal import FORMAT_VERSION, RECORD, WRITE, PageRecord
+from .journal_replay import JournalReader, Replay
+from .native import (argsort_i64, bounds_i64, drop_arrays, flags_any, flags_first_neither, flags_select, flags_set,
+                     iota_u64, pread_rows, pwrite_all, pwrite_rows, records_slots, take, xxh64_rows)
 from .units import human_bytes
 
 log = logging.getLogger("kvtier.disk")
 
-FORMAT_VERSION = 2          # 2: binary records, identity-bound XXH64 checksums (1: msgpack records, xxh3)
-ALIGN = 4096
 GROW_STEP = 64 << 20             # segment growth step (or 1/8 of the group's size, whichever smaller)
 CHECKPOINT_FLOOR = 1 << 20       # never compact a journal smaller than this
 CHECKPOINT_RATIO = 4             # compact when the journal exceeds this many times its snapshot
-REPLAY_CHUNK = 1 << 16           # records replayed per array step at open
 PENDING_FREE_FLUSH = 8192        # journal pending frees once this many have piled up in a group
 DIRECT_MIN_STRIDE = 64 << 10    # "auto": smaller pages go through the page cache (see O_DIRECT above)
-PIECE_BYTES = 8 << 20            # one parallel pwritev/preadv covers at most this much (or one stride)
-MAX_RUN_BYTES = 64 << 20         # one page-cache preadv covers at most this much (or one stride)
-MIN_PIECE_BYTES = 1 << 20        # ... and a batch is not split finer than this across I/O threads
 PARALLEL_MIN_BYTES = 8 << 20     # page-cache batches smaller than this do their I/O on one thread
 CACHED_READ_MAX = 1 << 20        # read_cached takes at most this many bytes (a memcpy on the caller's thread)
-IO_THREADS = 4                   # parallel pieces of one batch (queue depth, and bounce copies overlap I/O)
 # preadv2(RWF_NOWAIT) refused by this kernel (< 4.14), filesystem or sandbox: read_cached stops trying
 _NOWAIT_UNSUPPORTED = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.EPERM}
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 _HEADER = "HEADER"
 _LOCK = "LOCK"
-_EXT_BIGINT = 1
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)     # the filesystem (or a limit) takes no more data
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,478 +181,15 @@ class RecoveredPage:
     generation: int = 0               # write order: higher was written later
 
 
-# -- small helpers -------------------------------------------------------------------------------
+# -- errors ---------------------------------------------------------------------------------------
 
-def _pack_default(obj: Any) -> Any:
-    if isinstance(obj, int):           # msgpack hands us ints outside 64 bits
-        return msgpack.ExtType(_EXT_BIGINT, obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True))
-    raise TypeError(f"cannot serialise {type(obj).__name__}")
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == _EXT_BIGINT:
-        return int.from_bytes(data, "little", signed=True)
-    return msgpack.ExtType(code, data)
-
-
-def _packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_pack_default, use_bin_type=True)
-
-
-def _unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-
-
-def _round_up(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def _remove(path: str) -> None:
-    """Remove a file, link or directory tree at ``path``."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _typed(exc: OSError, what: str) -> OSError:
-    msg = f"disk tier: {what}: {exc.strerror or exc}"
-    if exc.errno in _FULL:
-        return DiskFullError(exc.errno, msg)
-    return TierIOError(exc.errno if exc.errno is not None else errno.EIO, msg)
-
-
-def _flatnonzero(mask: np.ndarray, step: int = 1 << 18) -> np.ndarray:
-    """``np.flatnonzero`` a quarter million entries per call: a worker holds the GIL through
-    each numpy call, and one over millions of slots stalls the event loop for milliseconds.
-    (The result may be a view of a larger array.)"""
-    if len(mask) <= step:
-        return np.flatnonzero(mask)
-    return np.concatenate([np.flatnonzero(mask[a:a + step]) + a for a in range(0, len(mask), step)])
-
-
-def _vectored(op: Callable, fd: int, bufs: list, offset: int, short_ok: bool) -> int:
-    """Run ``op`` (os.pwritev or os.preadv) until every buffer is done, at most
-    IOV_MAX vectors a call; returns the bytes moved. ``short_ok``: stop at the
-    end of the file instead of failing."""
-    bufs = [memoryview(b).cast("B") for b in bufs]
-    total, i = 0, 0
-    while i < len(bufs):
-        n = op(fd, bufs[i:i + _IOV_MAX], offset)
-        if n <= 0:
-            if short_ok:
-                break
-            raise OSError(errno.EIO, f"{op.__name__} moved nothing")
-        total += n
-        offset += n
-        while i < len(bufs) and n >= len(bufs[i]):
-            n -= len(bufs[i])
-            i += 1
-        if n:
-            bufs[i] = bufs[i][n:]
-    return total
-
-
-def _corrupt(g: "_Group", slots: list[int], what: str) -> CorruptPageError:
+def _corrupt(g: DiskGroup, slots: list[int], what: str) -> CorruptPageError:
     """The error naming pages of group ``g`` that cannot be served (``.slots``, ``.group``)."""
     slots = sorted(slots)
     err = CorruptPageError(f"disk group {g.index}: {len(slots)} {what} page(s): {slots[:16]}")
     err.slots = slots
     err.group = g.index
     return err
-
-
-def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
-    _vectored(os.pwritev, fd, bufs, offset, short_ok=False)
-
-
-def _preadv_all(fd: int, bufs: list, offset: int) -> int:
-    """Fill ``bufs`` from ``offset``; returns the bytes read (short only at end of file)."""
-    return _vectored(os.preadv, fd, bufs, offset, short_ok=True)
-
-
-def _aligned_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    mm = mmap.mmap(-1, _round_up(max(nbytes, ALIGN), ALIGN))
-    return mm, np.frombuffer(mm, dtype=np.uint8)
-
-
-def _first_difference(old: Any, new: Any, path: str) -> str | None:
-    if isinstance(old, dict) and isinstance(new, dict):
-        for k in sorted(set(old) | set(new), key=repr):
-            sub = f"{path}.{k}" if path else str(k)
-            if k not in old:
-                return f"key {sub!r} is new (the directory's fingerprint has no such key)"
-            if k not in new:
-                return f"key {sub!r} is missing (the directory's fingerprint has {old[k]!r})"
-            d = _first_difference(old[k], new[k], sub)
-            if d:
-                return d
-        return None
-    if isinstance(old, list) and isinstance(new, list):
-        for i, (a, b) in enumerate(zip(old, new)):
-            d = _first_difference(a, b, f"{path}[{i}]")
-            if d:
-                return d
-        if len(old) != len(new):
-            return f"key {path!r} has {len(new)} items, the directory's has {len(old)}"
-        return None
-    if old != new or type(old) is not type(new):
-        return f"key {path!r} differs: directory has {old!r}, this store has {new!r}"
-    return None
-
-
-# -- per-group state -----------------------------------------------------------------------------
-
-class _Group:
-    """One cold pool group's segment, journal and per-slot metadata.
-
-    Per slot (arrays indexed by slot, grown on demand up to ``slots``):
-    ``meta[s]`` is the last record applied for s (a write or a free);
-    ``live[s]`` says s holds a page, whose record is ``meta[s]``;
-    ``journaled[s]``: the journal holds (or an append under way is writing)
-    a write record for s that no free record follows, so freeing s needs a
-    free record; ``pending[s]``: s was freed and that free record is not
-    journaled yet (it is in ``pending_slots``/``pending_gens``), so s must
-    not be written before it is; ``forgotten[s]``: s was discarded as bad, so
-    a later free of it is a no-op. Invariants: live and pending are disjoint,
-    live and forgotten are disjoint, pending implies journaled,
-    ``n_live == live.sum()``.
-
-    ``queued`` holds the records of writes and relabels whose bytes are written
-    but not yet journaled (each with whether its bytes are already synced), in
-    order; a commit journals those still current (the slot live, the generation
-    its ``meta``'s). ``commit_failed``: the last background commit failed (it
-    is retried; the next write commits first, and reports a failure). Lock order:
-    ``write_lock`` (one write at a time), ``commit_lock`` (one commit at a
-    time, from its snapshot of ``queued`` to its frame durable),
-    ``journal_lock`` (one append or compaction at a time), ``lock`` (the slot
-    table and the segment's size; held only around bookkeeping, and by a
-    compaction).
-    """
-    __slots__ = ("index", "slot_bytes", "slots", "stride", "max_size", "seg_path", "journal_path",
-                 "seg_fd", "read_fd", "journal_fd", "size", "journal_size", "meta", "live", "pending", "forgotten",
-                 "pending_slots", "pending_gens", "n_pending", "n_live", "lock", "write_lock", "broken", "pad", "direct",
-                 "dir_unsynced", "journaled", "queued", "commit_failed", "journal_lock", "commit_lock")
-
-    def __init__(self, index: int, slot_bytes: int, slots: int, path: str) -> None:
-        self.index = index
-        self.slot_bytes = slot_bytes
-        self.slots = slots
-        self.stride = _round_up(slot_bytes, ALIGN)
-        self.max_size = slots * self.stride
-        self.direct = False                 # this group's writes bypass the page cache
-        self.seg_path = os.path.join(path, f"group-{index}.seg")
-        self.journal_path = os.path.join(path, f"group-{index}.journal")
-        self.seg_fd = -1
-        self.read_fd = -1              # the fd reads use: seg_fd, or a page-cache fd next to an O_DIRECT seg_fd
-        self.journal_fd = -1
-        self.size = 0                  # segment file size (allocated)
-        self.journal_size = 0
-        self.meta = np.zeros(0, dtype=RECORD)
-        self.live = np.zeros(0, dtype=bool)
-        self.pending = np.zeros(0, dtype=bool)
-        self.forgotten = np.zeros(0, dtype=bool)
-        self.journaled = np.zeros(0, dtype=bool)
-        self.queued: list[tuple[np.ndarray, bool]] = []
-        self.commit_failed = False
-        self.pending_slots: list[np.ndarray] = []
-        self.pending_gens: list[np.ndarray] = []
-        self.n_pending = 0
-        self.n_live = 0
-        self.lock = threading.Lock()          # the slot table and the segment's size (see the docstring)
-        self.write_lock = threading.Lock()    # one write() at a time; taken before `lock`, never after
-        self.commit_lock = threading.Lock()   # one commit at a time; see the class docstring for the order
-        self.journal_lock = threading.Lock()  # one journal append (or compaction) at a time
-        self.broken: str | None = None
-        self.dir_unsynced = False      # a journal rename awaits its directory fsync
-        self.pad = bytes(self.stride - slot_bytes)            # written after each row to fill its stride
-
-    def reserve(self, n: int) -> None:
-        """Make the per-slot arrays cover slots < n (n <= slots)."""
-        cap = len(self.live)
-        if n <= cap:
-            return
-        new = min(self.slots, max(n, 2 * cap, 1024))
-        for name in ("meta", "live", "pending", "forgotten", "journaled"):
-            old = getattr(self, name)
-            arr = np.zeros(new, dtype=old.dtype)
-            if name == "meta":
-                journal.put(arr, slice(0, cap), old)     # whole rows: a structured copy goes field by field
-            else:
-                arr[:cap] = old
-            setattr(self, name, arr)
-
-    def live_bytes(self) -> int:
-        """Journal bytes a snapshot of the live records takes."""
-        return self.n_live * RECORD.itemsize
-
-    def free_records(self) -> np.ndarray:
-        """The pending frees as journal records."""
-        return journal.frees(concat(self.pending_slots, np.int64), concat(self.pending_gens, np.uint64))
-
-    def clear_pending(self) -> None:
-        self.settle_pending(self.pending_slots)
-        self.pending_slots, self.pending_gens, self.n_pending = [], [], 0
-
-    def take_pending(self) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-        """The pending frees as records, handed to an append: their flags stay set (the slots stay
-        unwritable) until ``settle_pending`` or ``restore_pending``."""
-        taken = self.free_records(), self.pending_slots, self.pending_gens
-        self.pending_slots, self.pending_gens, self.n_pending = [], [], 0
-        return taken
-
-    def settle_pending(self, slots: list[np.ndarray]) -> None:
-        """The frees taken are durable."""
-        for part in slots:
-            flags_set(self.pending, part, False)
-            flags_set(self.journaled, part, False)
-
-    def restore_pending(self, slots: list[np.ndarray], gens: list[np.ndarray]) -> None:
-        """The append of the frees taken failed: they are pending again, first in line."""
-        self.pending_slots[:0] = slots
-        self.pending_gens[:0] = gens
-        self.n_pending += sum(len(p) for p in slots)
-
-    def unlive(self, slots: np.ndarray) -> np.ndarray:
-        """Slots stop holding pages; returns those the journal names, which need a free record
-        (``add_pending``). The records of the others, still queued, are not current any more,
-        so no commit journals them."""
-        flags_set(self.live, slots, False)
-        self.n_live -= len(slots)
-        return flags_select(self.journaled, slots, True)
-
-    def queue(self, records: np.ndarray, synced: bool) -> None:
-        """Queue a batch's records for the next commit."""
-        self.queued.append((records, synced))
-
-    def take_queued(self) -> list[tuple[np.ndarray, bool]]:
-        taken, self.queued = self.queued, []
-        return taken
-
-    def current(self, recs: np.ndarray) -> np.ndarray:
-        """The records of ``recs`` still their slot's live page (a later free, write or relabel
-        of a slot supersedes a queued record)."""
-        return journal.take(recs, records_current(journal.rows(recs), self.live, journal.rows(self.meta)))
-
-    def add_pending(self, slots: np.ndarray, first_gen: int) -> None:
-        flags_set(self.pending, slots, True)
-        self.pending_slots.append(slots)
-        self.pending_gens.append(iota_u64(first_gen, len(slots)))
-        self.n_pending += len(slots)
-
-    def pieces(self, sorted_slots: np.ndarray, split: bool = True) -> list[tuple[int, int]]:
-        """[a, b) index ranges of ``sorted_slots`` that are adjacent on disk, each one I/O call.
-
-        ``split``: a batch is also cut into about IO_THREADS pieces (none under MIN_PIECE_BYTES,
-        none over PIECE_BYTES) that run in parallel. Without it a run of adjacent slots stays one
-        call (up to MAX_RUN_BYTES), which suits page-cache reads: the kernel's readahead pipelines
-        one sequential read better than parallel readers, which look random to it. Either way a
-        piece has one stride at least and at most IOV_MAX vectors.
-        """
-        n = len(sorted_slots)
-        if split:
-            target = min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-n * self.stride // IO_THREADS)))
-        else:
-            target = MAX_RUN_BYTES
-        cap = max(1, min(target // self.stride, _IOV_MAX // (2 if self.pad else 1)))
-        bounds = [0, *(np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist(), n]
-        return [(a, min(b, a + cap)) for lo, b in zip(bounds, bounds[1:]) for a in range(lo, b, cap)]
-
-
-def _valid_next_gen(v: object) -> bool:
-    return type(v) is int and 1 <= v <= journal.MAX_GEN + 1
-
-
-class _Reader:
-    """Reads a journal by absolute offset through a window of ``chunk`` bytes. ``os.pread``
-    releases the GIL while the disk works (an mmap's page faults would hold it: a cold journal
-    stalled the event loop for 200 ms at a time) and memory stays bounded by the window."""
-
-    def __init__(self, fd: int, size: int, chunk: int = 1 << 20) -> None:
-        self.fd, self.size, self.chunk = fd, size, chunk
-        self.base, self.buf = 0, b""
-
-    def read(self, off: int, n: int) -> bytes:
-        """Bytes [off, off + n) (fewer at the end of the file)."""
-        n = max(0, min(n, self.size - off))
-        if not (self.base <= off and off + n <= self.base + len(self.buf)):
-            if n > self.chunk:
-                return os.pread(self.fd, n, off)
-            self.base, self.buf = off, os.pread(self.fd, min(self.chunk, self.size - off), off)
-        return self.buf[off - self.base:off - self.base + n]
-
-    def find(self, needle: bytes, start: int) -> int:
-        """Offset of the first ``needle`` at or after ``start``, or -1. Searches the
-        window it holds before reading on, so a run of near-miss candidates costs
-        one read per window, not one per candidate."""
-        pos = start
-        while pos < self.size:
-            if not (self.base <= pos and pos + len(needle) <= self.base + len(self.buf)):
-                self.base, self.buf = pos, os.pread(self.fd, min(self.chunk, self.size - pos), pos)
-            i = self.buf.find(needle, pos - self.base)
-            if i >= 0:
-                return self.base + i
-            end = self.base + len(self.buf)
-            if end >= self.size:
-                return -1
-            pos = end - len(needle) + 1
-        return -1
-
-
-class _Replay:
-    """One group's journal replayed into its arrays (see the module docstring).
-
-    Frames are read in order; their records are applied a chunk at a time
-    (``REPLAY_CHUNK``): within a chunk the last record of each slot is found
-    by sorting, and it wins over what the arrays hold if its generation is
-    higher. Damage is skipped frame by frame and reported.
-    """
-
-    def __init__(self, tier: "DiskTier", g: _Group) -> None:
-        self.tier, self.g = tier, g
-        self.max_gen = 0
-        self.dirty = False
-        self.parts: list[np.ndarray] = []
-        self.n_parts = 0
-        self.outside: dict[int, tuple[int, int]] = {}     # slot beyond the quota -> (gen, kind) of its last record
-        self.malformed = 0
-        self.crc_budget = 0
-
-    def release(self) -> None:
-        self.parts = []
-
-    def error(self, off: int, msg: str) -> None:
-        msg = f"journal {self.g.journal_path}: {msg} at offset {off}"
-        log.warning("disk tier: %s", msg)
-        self.tier.journal_errors.append((self.g.index, off, msg))
-        self.dirty = True
-
-    def frame_at(self, src: _Reader, off: int, size: int) -> tuple[bytes, bytes] | str:
-        """(magic, payload) of the frame at ``off``, or why there is none."""
-        if size - off < FRAME.size:
-            return "torn frame header"
-        magic, ln, crc = FRAME.unpack(src.read(off, FRAME.size))
-        if magic not in (journal.HEADER_MAGIC, journal.RECORDS_MAGIC):
-            return "bad frame magic"
-        if ln > size - off - FRAME.size:
-            return f"torn frame (needs {ln} bytes, {size - off - FRAME.size} left)"
-        if magic == journal.RECORDS_MAGIC and ln % RECORD.itemsize:
-            return f"frame length {ln} is not whole records"
-        self.crc_budget -= ln
-        payload = src.read(off + FRAME.size, ln)
-        if zlib.crc32(payload) != crc:
-            return "frame checksum mismatch"
-        return magic, payload
-
-    def resync(self, src: _Reader, start: int, size: int) -> int | None:
-        """Offset of the next intact records frame after ``start`` (None: none, or the
-        search spent its budget: a hostile file cannot make it quadratic)."""
-        pos = start
-        while self.crc_budget > 0:
-            pos = src.find(journal.RECORDS_MAGIC, pos)
-            if pos < 0:
-                return None
-            self.crc_budget -= FRAME.size      # every candidate costs, even one rejected unread
-            if not isinstance(self.frame_at(src, pos, size), str):
-                return pos
-            pos += 1
-        return None
-
-    def run(self, src: _Reader, size: int) -> int:
-        """Replay every frame; returns the offset the journal is good up to (the rest is a torn tail)."""
-        g = self.g
-        self.crc_budget = 2 * size + (1 << 20)
-        off = 0
-        while off < size:
-            got = self.frame_at(src, off, size)
-            if isinstance(got, str):
-                nxt = self.resync(src, off + 1, size)
-                if nxt is None:
-                    self.error(off, f"{got}; the last {size - off} bytes dropped")
-                    self.apply()
-                    self.finish()
-                    return off
-                self.error(off, f"{got}; {nxt - off} bytes skipped")
-                off = nxt
-                continue
-            magic, payload = got
-            if off == 0 and magic == journal.HEADER_MAGIC:
-                try:
-                    head = _unpackb(payload)
-                    if not isinstance(head, dict) or head.get("group") != g.index or \
-                            head.get("format") != FORMAT_VERSION or not _valid_next_gen(head.get("next_gen", 1)):
-                        raise ValueError(f"header {head!r} is not this group's")
-                except (ValueError, TypeError, msgpack.UnpackException) as e:
-                    self.error(0, f"bad journal header ({e}); the journal is dropped")
-                    return 0
-                self.max_gen = max(self.max_gen, head.get("next_gen", 1) - 1)
-            elif magic == journal.HEADER_MAGIC:
-                self.error(off, "a header frame after the first; skipped")
-            else:
-                if off == 0:
-                    self.error(0, "journal header missing")
-                self.parts.append(np.frombuffer(payload, dtype=RECORD))
-                self.n_parts += len(self.parts[-1])
-                if self.n_parts >= REPLAY_CHUNK:
-                    self.apply()
-            off += FRAME.size + len(payload)
-        self.apply()
-        self.finish()
-        return off
-
-    def apply(self) -> None:
-        """Apply the records read so far (the last record of a slot wins)."""
-        if not self.parts:
-            return
-        g = self.g
-        recs = journal.concat(self.parts) if len(self.parts) > 1 else self.parts[0]
-        self.parts, self.n_parts = [], 0
-        bad = journal.malformed(recs)
-        if bad.any():
-            self.malformed += int(bad.sum())
-            recs = journal.take(recs, ~bad)
-        if not len(recs):
-            return
-        self.max_gen = max(self.max_gen, int(recs["gen"].max()))
-        far = recs["slot"] >= g.slots
-        if far.any():
-            for r in recs[far]:
-                s, gen = int(r["slot"]), int(r["gen"])
-                if s not in self.outside or self.outside[s][0] < gen:
-                    self.outside[s] = (gen, int(r["kind"]))
-            recs = journal.take(recs, ~far)
-            if not len(recs):
-                return
-        order = np.lexsort((recs["gen"], recs["slot"]))
-        slots = recs["slot"][order]
-        last = np.ones(len(order), dtype=bool)
-        last[:-1] = slots[1:] != slots[:-1]
-        win = journal.take(recs, order[last])
-        g.reserve(int(win["slot"].max()) + 1)
-        win = journal.take(win, win["gen"] > g.meta["gen"][win["slot"]])
-        slots = win["slot"].astype(np.int64)
-        journal.put(g.meta, slots, win)
-        g.live[slots] = win["kind"] == WRITE
-
-    def finish(self) -> None:
-        g = self.g
-        if self.malformed:
-            self.error(0, f"{self.malformed} malformed record(s) skipped")
-        lost = sorted(s for s, (_, kind) in self.outside.items() if kind == WRITE)
-        if lost:
-            reason = f"outside the group's {g.slots} slots"
-            self.tier.discarded.extend((g.index, s, f"slot {s} is {reason}") for s in lost)
-            log.warning("disk tier: group %d: %d page(s) discarded at open: %s", g.index, len(lost), reason)
-        if self.outside:
-            self.dirty = True
 
 
 class _Committer:
@@ -711,7 +243,7 @@ class DiskTier:
         self.o_direct_reads = False        # reads too (o_direct="on"); "auto" reads through the page cache
         self.o_direct_supported = False
         self.fingerprint: dict = {}
-        self.groups: list[_Group] = []
+        self.groups: list[DiskGroup] = []
         self.discarded = []
         self._fp = 0                       # the layout fingerprint folded to 64 bits (journal.identity)
         self.journal_errors: list[tuple[int, int, str]] = []   # (group, offset, reason)
@@ -757,7 +289,7 @@ class DiskTier:
                 raise ConfigError("tiers.disk.layout", f"group {i} must be (slot_bytes > 0, slots >= 0), got {g!r}")
             norm_groups.append((sb, n))
         try:
-            fingerprint = _unpackb(_packb(fingerprint))          # compare as stored (tuples -> lists)
+            fingerprint = unpackb(packb(fingerprint))          # compare as stored (tuples -> lists)
         except (TypeError, ValueError) as e:
             raise ConfigError("tiers.disk.layout", f"fingerprint is not msgpack-serialisable: {e}") from None
 
@@ -766,7 +298,7 @@ class DiskTier:
         tier.fsync = bool(fsync)
         tier.min_free = min_free
         tier.fingerprint = fingerprint
-        tier._fp = journal.fingerprint_hash(_packb(fingerprint))
+        tier._fp = journal.fingerprint_hash(packb(fingerprint))
         try:
             os.makedirs(tier.path, exist_ok=True)
         except OSError as e:
@@ -808,7 +340,7 @@ class DiskTier:
         if not fresh:
             try:
                 with open(header_path, "rb") as f:
-                    have = _unpackb(f.read())
+                    have = unpackb(f.read())
                 if not isinstance(have, dict):
                     raise ValueError("not a map")
             except (OSError, ValueError, msgpack.UnpackException) as e:
@@ -818,7 +350,7 @@ class DiskTier:
                     problem = f"format version {have.get('format')!r} on disk, this build writes {FORMAT_VERSION}"
                 else:
                     problem = self._layout_difference(have.get("groups"), want["groups"]) or \
-                        _first_difference(have.get("fingerprint"), self.fingerprint, "")
+                        first_difference(have.get("fingerprint"), self.fingerprint, "")
                     if problem and not problem.startswith("pool group") and not problem.startswith("directory has"):
                         problem = f"fingerprint {problem}"
         if problem is not None:
@@ -833,16 +365,16 @@ class DiskTier:
             if not resized:
                 self._remove_data_files()
             if os.path.lexists(header_path) and not os.path.isfile(header_path):
-                _remove(header_path)              # a directory (or dangling link) where HEADER belongs
+                remove(header_path)              # a directory (or dangling link) where HEADER belongs
             tmp = header_path + ".tmp"
             with open(tmp, "wb") as f:
-                f.write(_packb(want))
+                f.write(packb(want))
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, header_path)
             if self.fsync:
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
 
         self.o_direct_supported = self._probe_o_direct()
         if o_direct == "on" and not self.o_direct_supported:
@@ -852,12 +384,12 @@ class DiskTier:
         self._stats["o_direct"] = self.o_direct
         self._stats["o_direct_reads"] = self.o_direct_reads
 
-        self.groups = [_Group(i, sb, n, self.path) for i, (sb, n) in enumerate(groups)]
+        self.groups = [DiskGroup(i, sb, n, self.path) for i, (sb, n) in enumerate(groups)]
         for g in self.groups:
             g.direct = self.o_direct and (o_direct == "on" or g.stride >= DIRECT_MIN_STRIDE)
         self._stats["o_direct_groups"] = [g.index for g in self.groups if g.direct]
         self._check_data_files(on_mismatch)
-        needs_checkpoint: list[_Group] = []
+        needs_checkpoint: list[DiskGroup] = []
         max_gen = 0
         for g in self.groups:
             gen, dirty = self._recover_group(g)
@@ -871,7 +403,7 @@ class DiskTier:
                 g.size = g.max_size
                 needs_checkpoint.append(g)
         if self.fsync:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         self._warn_if_quota_exceeds_free_space()
         for g in needs_checkpoint:
             try:
@@ -911,7 +443,7 @@ class DiskTier:
     def _remove_data_files(self) -> None:
         for name in os.listdir(self.path):
             if name.startswith("group-") and (name.endswith((".seg", ".journal", ".tmp"))):
-                _remove(os.path.join(self.path, name))
+                remove(os.path.join(self.path, name))
 
     def _check_data_files(self, on_mismatch: str) -> None:
         """Each group's segment and journal is a regular file or absent; anything else in their
@@ -925,14 +457,14 @@ class DiskTier:
                                       f"{path!r} is not a regular file (kvtier keeps a segment or journal there); "
                                       "remove it, or set on_mismatch='wipe' to have it removed")
                 log.warning("disk tier: %s is not a regular file; removing it (on_mismatch='wipe')", path)
-                _remove(path)
+                remove(path)
 
     def _probe_o_direct(self) -> bool:
         """Can files here be opened O_DIRECT? Also finds how aligned memory must be (512 or 4096)."""
         if not hasattr(os, "O_DIRECT"):
             return False
         probe = os.path.join(self.path, ".o_direct_probe")
-        mm, buf = _aligned_buffer(2 * ALIGN)
+        mm, buf = aligned_buffer(2 * ALIGN)
         mv = memoryview(buf)
         try:
             fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -958,13 +490,13 @@ class DiskTier:
             except OSError:
                 pass
 
-    def _open_seg(self, g: _Group) -> None:
+    def _open_seg(self, g: DiskGroup) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if g.direct else 0)
         g.seg_fd = os.open(g.seg_path, flags, 0o644)
         g.size = os.fstat(g.seg_fd).st_size
         g.read_fd = g.seg_fd if g.direct == self.o_direct_reads else os.open(g.seg_path, os.O_RDONLY)
 
-    def _recover_group(self, g: _Group) -> tuple[int, bool]:
+    def _recover_group(self, g: DiskGroup) -> tuple[int, bool]:
         """Replay group g's journal; returns (highest generation seen, needs a checkpoint)."""
         seg_exists = os.path.exists(g.seg_path)
         journal_exists = os.path.exists(g.journal_path)
@@ -975,9 +507,9 @@ class DiskTier:
             self.journal_errors.append((g.index, 0, f"journal {g.journal_path} missing"))
         g.journal_fd = os.open(g.journal_path, os.O_RDWR | os.O_CREAT, 0o644)
         size = os.fstat(g.journal_fd).st_size
-        replay = _Replay(self, g)
+        replay = Replay(g, self.journal_errors, self.discarded)
         try:
-            good = replay.run(_Reader(g.journal_fd, size), size) if size else 0
+            good = replay.run(JournalReader(g.journal_fd, size), size) if size else 0
         finally:
             replay.release()
         dirty = size == 0 or replay.dirty
@@ -986,7 +518,7 @@ class DiskTier:
             dirty = True
         g.journal_size = good
         # Check what is cheap: the segment exists and covers every recorded slot.
-        live = _flatnonzero(g.live)
+        live = flatnonzero(g.live)
         g.n_live = len(live)
         if len(live):
             if not seg_exists:
@@ -1062,7 +594,7 @@ class DiskTier:
 
     # ---- helpers ----
 
-    def _group(self, group: int) -> _Group:
+    def _group(self, group: int) -> DiskGroup:
         if self._closed:
             raise StoreClosedError("disk tier is closed")
         if not isinstance(group, int) or not 0 <= group < len(self.groups):
@@ -1070,11 +602,11 @@ class DiskTier:
         return self.groups[group]
 
     @staticmethod
-    def _usable(g: _Group) -> None:
+    def _usable(g: DiskGroup) -> None:
         if g.broken is not None:
             raise TierIOError(errno.EIO, f"disk tier group {g.index} is unusable: {g.broken}; reopen the tier")
 
-    def _check_live_locked(self, g: _Group, slots: np.ndarray) -> None:
+    def _check_live_locked(self, g: DiskGroup, slots: np.ndarray) -> None:
         """Under g.lock: the tier is open, the group usable, and every slot holds a page. A slot
         whose page was discarded (found bad, or its write failed: ``forget``) is a
         ``CorruptPageError`` naming it, as the read that found it bad was; any other empty slot
@@ -1091,7 +623,7 @@ class DiskTier:
             raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
 
     @staticmethod
-    def _check_slots(g: _Group, slots: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _check_slots(g: DiskGroup, slots: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
         """A caller's slots as an int64 array (each an int in [0, slots), no duplicates) and their
         ascending order (a stable argsort)."""
         if isinstance(slots, np.ndarray) and slots.dtype.kind in "iu" and slots.ndim == 1:
@@ -1137,7 +669,7 @@ class DiskTier:
             for k, v in kw.items():
                 self._stats[k] += v
 
-    def _discard(self, g: _Group, slots: Iterable[int], reason: str, live: bool = True) -> None:
+    def _discard(self, g: DiskGroup, slots: Iterable[int], reason: str, live: bool = True) -> None:
         """Forget pages found bad (caller holds g.lock); their frees are journaled lazily.
         ``live=False``: slots that hold no page (``forget``)."""
         slots = np.asarray(list(slots), dtype=np.int64)
@@ -1154,13 +686,13 @@ class DiskTier:
         log.log(logging.WARNING if live else logging.DEBUG, "disk tier: group %d: discarded %d page(s) %s: %s",
                 g.index, len(listed), listed if len(listed) <= 16 else f"{listed[:16]}...", reason)
 
-    def _unlive(self, g: _Group, slots: np.ndarray) -> None:
-        """Under g.lock: ``slots`` hold no page from now on (see ``_Group.unlive``)."""
+    def _unlive(self, g: DiskGroup, slots: np.ndarray) -> None:
+        """Under g.lock: ``slots`` hold no page from now on (see ``DiskGroup.unlive``)."""
         named = g.unlive(slots)
         if len(named):
             g.add_pending(named, self._take_gens(len(named)))
 
-    def _append(self, g: _Group, *records: np.ndarray) -> None:
+    def _append(self, g: DiskGroup, *records: np.ndarray) -> None:
         """Append one frame of ``records`` to g's journal and make it durable (on failure roll it back).
         The caller holds g.journal_lock."""
         frame = journal.frame(journal.RECORDS_MAGIC, b"".join(r.tobytes() for r in records if len(r)))
@@ -1177,11 +709,11 @@ class DiskTier:
                     os.fdatasync(g.journal_fd)
             except OSError as e2:
                 g.broken = f"journal append failed ({e.strerror}) and could not be rolled back ({e2.strerror})"
-            raise _typed(e, f"journal append to {g.journal_path}") from e
+            raise typed_error(e, f"journal append to {g.journal_path}") from e
         g.journal_size = start + len(frame)
         self._add_stats(fsync_seconds=time.perf_counter() - t0)
 
-    def _append_frees(self, g: _Group, slots: np.ndarray) -> None:
+    def _append_frees(self, g: DiskGroup, slots: np.ndarray) -> None:
         """Before ``slots`` are written over: if one has a pending free, append the pending frees
         (alone: a queued write never names a slot with a pending free, so the order between them
         does not matter) and make them durable."""
@@ -1192,7 +724,7 @@ class DiskTier:
                 self._usable(g)
             self._append_with_frees(g, np.zeros(0, RECORD))
 
-    def _append_with_frees(self, g: _Group, records: np.ndarray, undo: Callable[[], None] | None = None) -> None:
+    def _append_with_frees(self, g: DiskGroup, records: np.ndarray, undo: Callable[[], None] | None = None) -> None:
         """Append ``records`` and g's pending frees as one frame (the caller holds g.journal_lock).
         The freed slots stay pending, so unwritable, until the frame is durable; if the append
         fails their frees are pending again, and ``undo`` (under g.lock) takes ``records`` back."""
@@ -1209,14 +741,14 @@ class DiskTier:
         with g.lock:
             g.settle_pending(slots)
 
-    def _sync_dir(self, g: _Group) -> None:
+    def _sync_dir(self, g: DiskGroup) -> None:
         """A compaction's rename is not durable until the directory is synced: nothing after it
         would be. Retried by every append (and idle commit) until it succeeds."""
         if g.dir_unsynced:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             g.dir_unsynced = False
 
-    def _sync_segment(self, g: _Group) -> None:
+    def _sync_segment(self, g: DiskGroup) -> None:
         """fdatasync g's segment. On failure the group is unusable: after a failed fdatasync Linux
         may drop the dirty pages, so nothing written since the previous sync can be trusted."""
         t0 = time.perf_counter()
@@ -1226,10 +758,10 @@ class DiskTier:
         except OSError as e:
             g.broken = f"syncing the segment failed ({e.strerror}): what was written since the previous " \
                        "sync may be lost"
-            raise _typed(e, f"syncing {g.seg_path}") from e
+            raise typed_error(e, f"syncing {g.seg_path}") from e
         self._add_stats(fsync_seconds=time.perf_counter() - t0)
 
-    def _commit(self, g: _Group) -> None:
+    def _commit(self, g: DiskGroup) -> None:
         """Journal what g has queued (group commit): sync the queued bytes, then append and sync
         one frame with the queued records still current and the pending frees. Writes queued
         meanwhile wait for the next commit. ``OSError`` (typed) on failure: a failed append is
@@ -1247,7 +779,7 @@ class DiskTier:
                         try:
                             self._sync_dir(g)
                         except OSError as e:
-                            raise _typed(e, f"syncing {self.path}") from e
+                            raise typed_error(e, f"syncing {self.path}") from e
                     g.commit_failed = False
                     return
                 if self.fsync and not all(synced for _, synced in snap):
@@ -1275,7 +807,7 @@ class DiskTier:
                 self._stats["commit_failures"] += 1
             raise
 
-    def _commit_soon(self, g: _Group) -> None:
+    def _commit_soon(self, g: DiskGroup) -> None:
         """Have the committer thread journal g's queued writes (started on first use)."""
         c = self._committer
         with c.cv:
@@ -1314,7 +846,7 @@ class DiskTier:
         if t is not None:
             t.join()
 
-    def _maybe_checkpoint(self, g: _Group) -> None:
+    def _maybe_checkpoint(self, g: DiskGroup) -> None:
         snapshot = g.live_bytes() + 4096
         if g.journal_size > max(CHECKPOINT_RATIO * snapshot, self.checkpoint_floor):
             try:
@@ -1322,7 +854,7 @@ class DiskTier:
             except OSError as e:   # the old journal, or the new one, is in use and valid (see _checkpoint_locked)
                 log.warning("disk tier: journal compaction of group %d failed: %s", g.index, e)
 
-    def _checkpoint_locked(self, g: _Group) -> None:
+    def _checkpoint_locked(self, g: DiskGroup) -> None:
         """Rewrite g's journal as a snapshot of its live records (the caller holds g's commit, journal
         and slot-table locks). Queued writes are in the snapshot, so their bytes are synced first."""
         if self.fsync and not all(synced for _, synced in g.queued):
@@ -1335,10 +867,10 @@ class DiskTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
-            raise _typed(e, f"creating {tmp}") from e
+            raise typed_error(e, f"creating {tmp}") from e
         written = 0
         try:
-            chunks = [journal.frame(journal.HEADER_MAGIC, _packb(header))]
+            chunks = [journal.frame(journal.HEADER_MAGIC, packb(header))]
             pending = len(chunks[0])
             live = journal.take(g.meta, np.flatnonzero(g.live))
             live = journal.take(live, np.argsort(live["gen"], kind="stable"))
@@ -1347,10 +879,10 @@ class DiskTier:
                 chunks.append(f)
                 pending += len(f)
                 if pending >= 8 << 20:
-                    _pwritev_all(fd, chunks, written)
+                    pwritev_all(fd, chunks, written)
                     written += pending
                     chunks, pending = [], 0
-            _pwritev_all(fd, chunks, written)
+            pwritev_all(fd, chunks, written)
             written += pending
             if self.fsync:
                 os.fsync(fd)
@@ -1361,7 +893,7 @@ class DiskTier:
             except OSError:
                 pass
             if isinstance(e, OSError):
-                raise _typed(e, f"compacting group {g.index}'s journal") from e
+                raise typed_error(e, f"compacting group {g.index}'s journal") from e
             raise
         os.close(fd)
         try:
@@ -1371,14 +903,14 @@ class DiskTier:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise _typed(e, f"replacing {g.journal_path}") from e
+            raise typed_error(e, f"replacing {g.journal_path}") from e
         # The new journal is in place: switch to it before anything else can fail, or later records
         # would go to the old file, which the rename just unlinked.
         try:
             new_fd = os.open(g.journal_path, os.O_RDWR)
         except OSError as e:
             g.broken = f"the compacted journal could not be reopened ({e.strerror})"
-            raise _typed(e, f"reopening {g.journal_path}") from e
+            raise typed_error(e, f"reopening {g.journal_path}") from e
         old, g.journal_fd = g.journal_fd, new_fd
         os.close(old)
         g.dir_unsynced = self.fsync       # the rename is durable once the directory is synced
@@ -1389,18 +921,18 @@ class DiskTier:
         self._add_stats(checkpoints=1)
         if g.dir_unsynced:
             try:
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
             except OSError as e:      # every append syncs the directory first until one succeeds
-                raise _typed(e, f"syncing {self.path} after compacting group {g.index}'s journal") from e
+                raise typed_error(e, f"syncing {self.path} after compacting group {g.index}'s journal") from e
             g.dir_unsynced = False
 
-    def _ensure_size(self, g: _Group, needed: int) -> None:
+    def _ensure_size(self, g: DiskGroup, needed: int) -> None:
         """Grow g's segment (preallocated) so that it covers ``needed`` bytes."""
         if needed <= g.size:
             return
-        step = max(g.stride, min(GROW_STEP, _round_up(g.max_size // 8, g.stride)))
-        target = min(g.max_size, max(_round_up(needed, g.stride), _round_up(g.size + step, g.stride)))
-        for size in dict.fromkeys((target, _round_up(needed, g.stride))):
+        step = max(g.stride, min(GROW_STEP, round_up(g.max_size // 8, g.stride)))
+        target = min(g.max_size, max(round_up(needed, g.stride), round_up(g.size + step, g.stride)))
+        for size in dict.fromkeys((target, round_up(needed, g.stride))):
             if self.min_free is not None:
                 st = os.statvfs(self.path)
                 if st.f_bavail * st.f_frsize - (size - g.size) < self.min_free:
@@ -1412,11 +944,11 @@ class DiskTier:
                     try:
                         os.ftruncate(g.seg_fd, size)
                     except OSError as e2:
-                        raise _typed(e2, f"growing {g.seg_path}") from e2
-                elif e.errno in _FULL and size > _round_up(needed, g.stride):
+                        raise typed_error(e2, f"growing {g.seg_path}") from e2
+                elif e.errno in FULL_ERRNOS and size > round_up(needed, g.stride):
                     continue       # try again with just what this batch needs
                 else:
-                    raise _typed(e, f"growing {g.seg_path}") from e
+                    raise typed_error(e, f"growing {g.seg_path}") from e
             g.size = size
             return
         if self.min_free is not None:
@@ -1459,7 +991,7 @@ class DiskTier:
             raise UsageError(f"index holds a row outside 0..{n_rows - 1}")
         return idx
 
-    def _direct_ok(self, arr: np.ndarray, rows: list[int], g: _Group) -> bool:
+    def _direct_ok(self, arr: np.ndarray, rows: list[int], g: DiskGroup) -> bool:
         """Can these rows go to/from an O_DIRECT fd as they are (no bounce copy)?"""
         if g.pad:
             return False
@@ -1472,7 +1004,7 @@ class DiskTier:
             for k, (mm, buf) in enumerate(self._bounces):
                 if buf.nbytes >= nbytes:
                     return self._bounces.pop(k)
-        return _aligned_buffer(max(nbytes, PIECE_BYTES))
+        return aligned_buffer(max(nbytes, PIECE_BYTES))
 
     def _bounce_put(self, b: tuple[mmap.mmap, np.ndarray]) -> None:
         with self._pool_lock:
@@ -1597,7 +1129,7 @@ class DiskTier:
                 else:   # a page-cache batch: one piece, its barrier in the same native call
                     tck = self._write_piece(g, arr, src, order, sorted_slots, hashes, 0, n, sync=sync)
             except OSError as e:
-                raise _typed(e, f"writing {n} page(s) to {g.seg_path}") from e
+                raise typed_error(e, f"writing {n} page(s) to {g.seg_path}") from e
             # 3. the records go live and join the queue of the next commit
             t2 = time.perf_counter()
             with g.lock:
@@ -1614,7 +1146,7 @@ class DiskTier:
             # 4. durable: commit now (with whatever else is queued); else the committer does
             self._settle(g, durable, lambda: self._unlive(g, sl))
 
-    def _settle(self, g: _Group, durable: bool, undo: Callable[[], None]) -> None:
+    def _settle(self, g: DiskGroup, durable: bool, undo: Callable[[], None]) -> None:
         """After a batch is queued: with ``durable``, commit now and, if that fails, ``undo`` the
         batch (under g.lock) and raise; without, leave it to the committer thread."""
         if not durable:
@@ -1628,7 +1160,7 @@ class DiskTier:
                 undo()
             raise
 
-    def _write_piece(self, g: _Group, arr: np.ndarray, src: np.ndarray, order: np.ndarray,
+    def _write_piece(self, g: DiskGroup, arr: np.ndarray, src: np.ndarray, order: np.ndarray,
                      sorted_slots: np.ndarray, hashes: np.ndarray, a: int, b: int, sync: bool = False) -> float:
         """Checksum and write rows ``src[a:b]`` of ``arr`` to slots ``sorted_slots[a:b]`` (adjacent when it
         bounces through an aligned buffer; else one native call, a pwritev per run of adjacent slots, which
@@ -1649,7 +1181,7 @@ class DiskTier:
                 t = time.perf_counter()
                 hashes[at] = xxh64_rows(staged)
                 tck = time.perf_counter() - t
-                _pwritev_all(g.seg_fd, [memoryview(bounce[1])[:k * g.stride]], off)
+                pwritev_all(g.seg_fd, [memoryview(bounce[1])[:k * g.stride]], off)
                 if sync:
                     os.fdatasync(g.seg_fd)
             finally:
@@ -1660,12 +1192,12 @@ class DiskTier:
         hashes[at] = got
         return tck
 
-    def _expected(self, g: _Group, slots: np.ndarray) -> np.ndarray:
+    def _expected(self, g: DiskGroup, slots: np.ndarray) -> np.ndarray:
         """The XXH64 the bytes of ``slots`` must have: their records' checksums less their identities."""
         recs = journal.take(g.meta, slots)
         return recs["csum"] ^ journal.identity(recs, self._fp)
 
-    def _read_piece(self, g: _Group, out: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
+    def _read_piece(self, g: DiskGroup, out: np.ndarray, order: np.ndarray, sorted_slots: np.ndarray,
                     a: int, b: int, nowait: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
         """Read slots ``sorted_slots[a:b]`` (adjacent when it bounces; else any, a preadv per run in one
         native call) into rows ``order[a:b]`` and verify them; returns (rows read short, rows failing
@@ -1677,7 +1209,7 @@ class DiskTier:
         if self.o_direct_reads and not self._direct_ok(out, rows, g):
             bounce = self._bounce_get(k * g.stride)
             try:
-                got = _preadv_all(g.read_fd, [memoryview(bounce[1])[:k * g.stride]], off)
+                got = preadv_all(g.read_fd, [memoryview(bounce[1])[:k * g.stride]], off)
                 short = np.arange(k) * g.stride + g.slot_bytes > got
                 staged = bounce[1][:k * g.stride].reshape(k, g.stride)[:, :g.slot_bytes]
                 t = time.perf_counter()
@@ -1701,7 +1233,7 @@ class DiskTier:
         bad = (hashes != expected) & ~short
         return rows[short], rows[bad], tck
 
-    def _read_locked(self, g: _Group, slots: np.ndarray, order: np.ndarray, out: np.ndarray, nowait: bool = False,
+    def _read_locked(self, g: DiskGroup, slots: np.ndarray, order: np.ndarray, out: np.ndarray, nowait: bool = False,
                      faults: bool = True) -> tuple[list[int], list[int], float, float]:
         """Read and verify (``order``: the slots' ascending order); returns (short slots,
         checksum-mismatch slots, io seconds, checksum seconds). ``nowait``: one piece, from the
@@ -1724,7 +1256,7 @@ class DiskTier:
                 bad.append(slots[bd])
                 tck += t
         except OSError as e:
-            raise _typed(e, f"reading {n} page(s) from {g.seg_path}") from e
+            raise typed_error(e, f"reading {n} page(s) from {g.seg_path}") from e
         return (sorted(np.concatenate(short).tolist()), sorted(np.concatenate(bad).tolist()),
                 time.perf_counter() - t0, tck)
 
@@ -1774,7 +1306,7 @@ class DiskTier:
         finally:
             g.lock.release()
 
-    def _read_nowait(self, g: _Group, sl: np.ndarray, order: np.ndarray, arr: np.ndarray,
+    def _read_nowait(self, g: DiskGroup, sl: np.ndarray, order: np.ndarray, arr: np.ndarray,
                      faults: bool = True) -> tuple[list[int], list[int], float, float] | None:
         """``_read_locked`` from the page cache only; None where that would wait (or cannot be
         done here at all)."""
@@ -1790,7 +1322,7 @@ class DiskTier:
                 return None
             raise
 
-    def _read_unlocked(self, g: _Group, sl: np.ndarray, order: np.ndarray, arr: np.ndarray) -> bool:
+    def _read_unlocked(self, g: DiskGroup, sl: np.ndarray, order: np.ndarray, arr: np.ndarray) -> bool:
         """``read_cached`` while another thread holds g.lock. The holder is mostly doing bookkeeping
         of other slots (a write's records, a free, a commit's snapshot), held longer than its few
         microseconds whenever it waits for the GIL behind the loop; going to the read thread instead
@@ -1825,7 +1357,7 @@ class DiskTier:
                         cached_reads=1, unlocked_reads=1)
         return True
 
-    def _finish_read(self, g: _Group, sl: np.ndarray, short: list[int], bad: list[int], tio: float,
+    def _finish_read(self, g: DiskGroup, sl: np.ndarray, short: list[int], bad: list[int], tio: float,
                      tck: float) -> None:
         """Under g.lock: count a read, and forget (and raise for) its bad pages."""
         n = len(sl)
@@ -1964,7 +1496,7 @@ class DiskTier:
                 try:
                     self._checkpoint_locked(g)
                 except OSError as e:
-                    raise _typed(e, f"compacting {g.journal_path}") from e
+                    raise typed_error(e, f"compacting {g.journal_path}") from e
 
     # ---- introspection / testing ----
 
@@ -1995,7 +1527,7 @@ class DiskTier:
         slots, gens = [], []
         for g in self.groups:
             with g.lock:
-                idx = _flatnonzero(g.live)
+                idx = flatnonzero(g.live)
                 slots.append(idx)
                 gens.append(g.meta["gen"][idx])
                 del idx

@@ -112,6 +112,7 @@ MAX_KEY_BYTES = 16           # a bytes key of up to this many bytes is kept as i
 if native.RECORD_RULES != (WRITE, FREE, MAX_KEY_BYTES, TAG_ANONYMOUS, TAG_NONE, MAX_PRIORITY):
     raise ImportError("journal's record constants no longer match tiers/native/slot_table.hpp")
 
+FORMAT_VERSION = 2          # a disk directory's: 2 binary records, identity-bound XXH64 (1: msgpack, xxh3)
 FRAME = struct.Struct("<4sII")
 HEADER_MAGIC = b"KVJH"
 RECORDS_MAGIC = b"KVJR"

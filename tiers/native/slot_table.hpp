@@ -1,4 +1,4 @@
-// Batch kernels over the disk tier's slot table (tiers/disk.py, _Group): its per-slot flags
+// Batch kernels over the disk tier's slot table (tiers/disk_group.py, DiskGroup): its per-slot flags
 // (live, pending, forgotten, journaled: one byte per slot, numpy bool) and its journal records
 // (tiers.journal.RECORD rows, 64 bytes each).
 //
