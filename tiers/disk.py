@@ -2,7 +2,8 @@
 
 This module holds ``DiskTier``; a group's slot table is ``tiers/disk_group.py``, the
 journal's format ``tiers/journal.py`` and its replay at open ``tiers/journal_replay.py``,
-and the system-call helpers (vectored I/O, typed errors, the I/O sizes) ``tiers/disk_io.py``.
+and the system-call helpers (vectored I/O, typed errors, the sizes that cut a batch into I/O calls)
+``tiers/disk_io.py``.
 
 Data plane only: every call blocks, no asyncio here. The runtime calls it from
 worker threads; the tier's own committer thread journals deferred writes. A
@@ -146,9 +147,9 @@ import msgpack
 import numpy as np
 import torch
 
-from . import journal
+from . import disk_io, journal
 from .disk_group import DiskGroup
-from .disk_io import (ALIGN, FULL_ERRNOS, IO_THREADS, PIECE_BYTES, aligned_buffer, first_difference, flatnonzero,
+from .disk_io import (ALIGN, FULL_ERRNOS, aligned_buffer, first_difference, flatnonzero,
                       fsync_dir, packb, preadv_all, pwritev_all, remove, round_up, typed_error, unpackb)
 from .errors import ConfigError, CorruptPageError, DiskFullError, StoreClosedError, TierIOError, UsageError
 from .journal import FORMAT_VERSION, RECORD, WRITE, PageRecord
@@ -1004,11 +1005,11 @@ class DiskTier:
             for k, (mm, buf) in enumerate(self._bounces):
                 if buf.nbytes >= nbytes:
                     return self._bounces.pop(k)
-        return aligned_buffer(max(nbytes, PIECE_BYTES))
+        return aligned_buffer(max(nbytes, disk_io.PIECE_BYTES))
 
     def _bounce_put(self, b: tuple[mmap.mmap, np.ndarray]) -> None:
         with self._pool_lock:
-            if len(self._bounces) < 2 * IO_THREADS:
+            if len(self._bounces) < 2 * disk_io.IO_THREADS:
                 self._bounces.append(b)
 
     def _run_pieces(self, fn: Callable[[int, int], Any], pieces: list[tuple[int, int]], parallel: bool) -> list:
@@ -1020,9 +1021,9 @@ class DiskTier:
             return [fn(a, b) for a, b in pieces]
         jobs: list[list[tuple[int, int]]] = [[]]
         total = sum(b - a for a, b in pieces)
-        share, acc = -(-total // IO_THREADS), 0
+        share, acc = -(-total // disk_io.IO_THREADS), 0
         for a, b in pieces:
-            if acc >= share * len(jobs) and len(jobs) < IO_THREADS:
+            if acc >= share * len(jobs) and len(jobs) < disk_io.IO_THREADS:
                 jobs.append([])
             jobs[-1].append((a, b))
             acc += b - a
@@ -1036,7 +1037,7 @@ class DiskTier:
             return job(jobs[0])
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(IO_THREADS - 1, thread_name_prefix="kvtier-disk")
+                self._pool = ThreadPoolExecutor(disk_io.IO_THREADS - 1, thread_name_prefix="kvtier-disk")
             pool = self._pool
         futs = [pool.submit(job, part) for part in jobs[1:]]
         results, err = [], None

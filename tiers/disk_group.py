@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 
-from . import journal
-from .disk_io import ALIGN, IO_THREADS, IOV_MAX, MAX_RUN_BYTES, MIN_PIECE_BYTES, PIECE_BYTES, round_up
+from . import disk_io, journal
+from .disk_io import ALIGN, IOV_MAX, round_up
 from .journal import RECORD
 from .native import concat, flags_select, flags_set, iota_u64, records_current
 
@@ -163,9 +163,10 @@ class DiskGroup:
         """
         n = len(sorted_slots)
         if split:
-            target = min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-n * self.stride // IO_THREADS)))
+            share = -(-n * self.stride // disk_io.IO_THREADS)
+            target = min(disk_io.PIECE_BYTES, max(disk_io.MIN_PIECE_BYTES, share))
         else:
-            target = MAX_RUN_BYTES
+            target = disk_io.MAX_RUN_BYTES
         cap = max(1, min(target // self.stride, IOV_MAX // (2 if self.pad else 1)))
         bounds = [0, *(np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist(), n]
         return [(a, min(b, a + cap)) for lo, b in zip(bounds, bounds[1:]) for a in range(lo, b, cap)]

@@ -1,7 +1,8 @@
 """System-call helpers of the disk tier (``tiers/disk.py``): vectored I/O carried to the end,
 ``OSError`` turned into the tier's typed errors, page-aligned buffers, directory syncs, the
-HEADER's msgpack, and the sizes that cut a batch's I/O into calls. Nothing here knows slots
-or records."""
+msgpack of HEADER and the journals' headers, and the sizes that cut a batch's I/O into calls
+(read as ``disk_io.NAME`` where they are used, so that one assignment here changes them all).
+Nothing here knows slots or records."""
 from __future__ import annotations
 
 import errno

@@ -112,7 +112,8 @@ MAX_KEY_BYTES = 16           # a bytes key of up to this many bytes is kept as i
 if native.RECORD_RULES != (WRITE, FREE, MAX_KEY_BYTES, TAG_ANONYMOUS, TAG_NONE, MAX_PRIORITY):
     raise ImportError("journal's record constants no longer match tiers/native/slot_table.hpp")
 
-FORMAT_VERSION = 2          # a disk directory's: 2 binary records, identity-bound XXH64 (1: msgpack, xxh3)
+# a disk directory's format: 2: binary records, identity-bound XXH64 checksums (1: msgpack records, xxh3)
+FORMAT_VERSION = 2
 FRAME = struct.Struct("<4sII")
 HEADER_MAGIC = b"KVJH"
 RECORDS_MAGIC = b"KVJR"

@@ -2,7 +2,7 @@
 
 The records are applied as arrays, a chunk of frames at a time: reopening a million pages
 is array work. A damaged frame is skipped (the next one found by its magic), a torn tail
-is cut, and records no writer produces are skipped; each is reported."""
+is found (the tier truncates it), and records no writer produces are skipped; each is reported."""
 from __future__ import annotations
 
 import logging
