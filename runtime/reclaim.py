@@ -88,24 +88,24 @@ class Reclaimer:
     async def _refill(self, store: "Store") -> None:
         core, tier, group = store.core, self.tier, self.group
         key = (tier, group)
-        refilling = store.refilling
+        refilling = store.moves.refilling
         while core.free(tier, group) + refilling.get(key, 0) < self.high and not store.closed:
             # at most what the next tier can make room for in one batch (Store._line_batch)
             want = min(self.high - core.free(tier, group) - refilling.get(key, 0),
-                       store._line_batch[tier], core.queue_len(tier, group))
+                       store.moves.line_batch[tier], core.queue_len(tier, group))
             if want <= 0:
                 return
-            victims = store._pick_victims(tier, group, want, raise_=False)
+            victims = store.moves.pick_victims(tier, group, want, raise_=False)
             if victims is None:
                 return
             n = len(victims)
-            store.refilling_add(key, n)
-            task = store._spawn(store._evict(self.tier, victims))
+            store.moves.refilling_add(key, n)
+            task = store.moves.spawn(store.moves.evict(self.tier, victims))
 
             def settled(t: asyncio.Task, n: int = n) -> None:
                 if not t.cancelled() and t.exception() is None:
                     core.give_back(tier, group, t.result())     # each with the fence of the copy that read it
-                store.refilling_add(key, -n)
+                store.moves.refilling_add(key, -n)
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:      # the store is closing: the slots still go back (settled)

@@ -34,13 +34,13 @@ async def persist(store: "Store") -> None:
     candidates = core.persist_candidates()
     anchors = core.persist_anchors(candidates)
     if anchors:
-        store._claim(anchors, DISK)
+        store.moves.claim(anchors, DISK)
     try:
         await _persist_candidates(store, candidates)
     finally:
         if anchors:
-            store._unclaim(anchors, None)
-    await store._behind_written()        # spills written behind are journaled by this flush too
+            store.moves.unclaim(anchors, None)
+    await store.moves.behind_written()        # spills written behind are journaled by this flush too
     await asyncio.get_running_loop().run_in_executor(None, store.disk.flush)
 
 
@@ -52,16 +52,16 @@ async def _persist_candidates(store: "Store", candidates: list) -> None:
             chunk = core.still_persistable(pages.slice(i, i + PERSIST_CHUNK), g)
             if not chunk:
                 continue
-            store._claim(chunk, DISK)        # before evicting: a drop must not free them under us
+            store.moves.claim(chunk, DISK)        # before evicting: a drop must not free them under us
             try:
-                slots = await store._obtain(DISK, g, len(chunk))
+                slots = await store.moves.obtain(DISK, g, len(chunk))
             except BaseException as exc:     # out of pages, or the close was cancelled: settle the claims
-                store._unclaim(chunk, exc)
+                store.moves.unclaim(chunk, exc)
                 if isinstance(exc, OutOfPagesError):
                     break
                 raise
             try:
-                await store._move_claimed(chunk, DISK, {g: slots}, handoff=False)
+                await store.moves.move(chunk, DISK, {g: slots}, handoff=False)
             except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on
                 log.warning("persisting %d pages at close failed: %s", len(chunk), exc)
 

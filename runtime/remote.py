@@ -87,7 +87,7 @@ class RemoteLink:
         have = await tier.exists(tier.page_keys(idents))
         missing = [i for i, ok in enumerate(have) if not ok]
         run = (missing[0] // per) if missing else n
-        if run == 0 or store.closed or store._closing is not None:
+        if run == 0 or store.closed or store.closing:
             return 0, False
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
         per_group = collections.Counter(groups)
@@ -96,7 +96,7 @@ class RemoteLink:
         if run <= 0:
             return 0, False
         counts = {g: run * k for g, k in per_group.items()}
-        slots = await store._obtain_many(HOST, counts)      # evicts (and cascades) as a promotion would
+        slots = await store.moves.obtain_many(HOST, counts)      # evicts (and cascades) as a promotion would
         try:
             ok = await self._fetch(idents[:run * per], groups, slots)
             by_lc = [[-1] * run for _ in store.lcs]       # PRIVATE life cycles stay -1
@@ -164,7 +164,7 @@ class RemoteLink:
         recs = records[keep]
         data = rows.numpy()[keep] if not keep.all() else rows.numpy()
         idents = list(zip(record_key_bytes(recs), recs["lc"].tolist()))
-        self.store._spawn(self._put(idents, data, nbytes))
+        self.store.moves.spawn(self._put(idents, data, nbytes))
 
     async def _put(self, idents: list, data: np.ndarray, nbytes: int) -> None:
         tier = self.tier
@@ -185,7 +185,7 @@ class RemoteLink:
         effort: a read or a reservation that fails leaves the drop to go on."""
         store = self.store
         core = store.core
-        records = store.records(victims)
+        records = store.moves.records(victims)
         committed = int((records["ktag"] != TAG_ANONYMOUS).sum())
         if not committed or self.tier is None:
             return

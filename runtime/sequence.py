@@ -202,7 +202,7 @@ class Sequence:
         if bad != -1:
             store._commit_refused(self, num_blocks, bad)
         if store.disk is not None:
-            store._sync()
+            store.moves.sync()
 
     async def _settle(self) -> None:
         """Wait out an acquire/extend whose caller was cancelled."""

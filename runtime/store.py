@@ -1,22 +1,24 @@
-"""The Store: the asyncio side of kvtier's control plane.
+"""The Store: the asyncio side of kvtier's control plane, and its request API.
 
 The page table, prefix index, slot allocators, LRU queues and every decision
 over them live in the native core (``runtime.core``), called once per request
-operation or migration batch. This module owns what waits: claims' futures,
-copies through the migration engine, readiness events, cancellation, and the
-disk tier's I/O (frees and relabels the core asks for are submitted on the
-disk's write stream, in order with the writes that may reuse those slots).
+operation or migration batch. This module owns the store's life (start, close,
+drain), sequences and their operations (open, extend, acquire, commit, release,
+close) with cancellation, and stats. What moves pages - claims, slots obtained
+with eviction, the demotion cascade, batch moves through the migration engine,
+the disk work the core asks for - is ``runtime/moves.py``, reached as
+``store.moves`` by this module and by background demotion, recovery,
+write-through and the remote tier.
 
 Rules the code keeps:
 - after every core call that can free disk slots or publish disk pages,
-  ``_sync`` submits them before anything awaits;
+  ``moves.sync`` submits them before anything awaits;
 - a claimed page (in flight) is awaited through its claim's future; the
   operation that claimed it settles that future when it lands or fails.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 from typing import Any, Callable, Coroutine, Sequence as Seq
@@ -26,10 +28,9 @@ import torch
 
 from tiers.config import StoreConfig
 from tiers.device import Device, host_available_bytes
-from tiers.errors import CorruptPageError, DiskFullError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
+from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
 from tiers.grouping import Layout
 from tiers.native import keep_gil_below
-from tiers.journal import RECORD
 from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
 from tiers.streams import CudaEvent
@@ -39,9 +40,10 @@ from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
 from .loop import short_switch_interval, start_eagerly
-from .migration import Batch, MigrationEngine
+from .moves import Moves
+from .migration import MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
-from .readiness import ended, wait_events
+from .readiness import wait_events
 from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
 from .recovery import index_recovered, persist
 from .remote import RemoteLink
@@ -68,41 +70,6 @@ _REUSE_CODE = {ReusePolicy.REQUIRED: 0, ReusePolicy.SINK_REQUIRED_ONLY: 1, Reuse
 # pairs) and 4 % at 32 (2 of 5): the disk write thread then waits for it instead. The replay's loop
 # lag p99 at concurrency 32 stays 3.2-3.7 ms.
 LOOP_KEEPS_GIL_BELOW = 1 << 20   # (the thread keeps the setting after close; only kvtier's kernels read it)
-REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
-
-
-class _FreeBatch:
-    """The disk frees of one job on the write stream. The loop joins frees to it until the
-    job starts; the lock makes "not started yet, so joined" and "started, so taken" exclusive."""
-
-    __slots__ = ("frees", "lock", "started", "mark")
-
-    def __init__(self, group: int, slots: list[int]) -> None:
-        self.frees = [(group, slots)]
-        self.lock = threading.Lock()
-        self.started = False
-        self.mark = -1                  # the stream's submission count just after this job was queued
-
-    def join(self, group: int, slots: list[int]) -> bool:
-        with self.lock:
-            if self.started:
-                return False
-            self.frees.append((group, slots))
-            return True
-
-    def take(self) -> list[tuple[int, list[int]]]:
-        with self.lock:
-            self.started = True
-            return self.frees
-
-
-class _InLine:
-    """A request waiting in a (tier, group)'s line for slots: ``turn`` is set when it comes first."""
-    __slots__ = ("need", "turn")
-
-    def __init__(self, need: int) -> None:
-        self.need = need
-        self.turn: asyncio.Future | None = None
 
 
 class Store:
@@ -133,31 +100,18 @@ class Store:
         self.gpu_reclaimers: list[tuple[int, Reclaimer]] = []
         self.events = EventTable()
         self.claims = ClaimTable()
-        self._tasks: set[asyncio.Task] = set()
-        self._free_batch: _FreeBatch | None = None      # the last free job's batch (see _disk_free)
         self.reclaimers: dict[tuple[int, int], Reclaimer] = {}
-        # (tier, group) -> slots that demotions in flight will give back to the free pool (the
-        # reclaimer's batches and on-demand evictions' extra): what refills the reserve already
-        self.refilling: dict[tuple[int, int], int] = {}
-        self._refill_waiters: dict[tuple[int, int], asyncio.Future] = {}
-        # (tier, group) -> the requests short of slots there, first come first served (see _obtain)
-        self._lines: dict[tuple[int, int], collections.deque[_InLine]] = {}
-        self._line_batch: dict[int, int] = {}      # tier -> most slots a demotion batch takes beyond its own need
         self.core: Core | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None     # the loop the store started on
+        self.loop: asyncio.AbstractEventLoop | None = None      # the loop the store started on
         self._loop_thread = -1                                  # and its thread (threading.get_ident)
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
         self.disk = None
         self.engine: MigrationEngine | None = None
         self.nodes = IndexView(self)
+        self.moves = Moves(self)            # claims, slots, evictions and moves, and the store's tasks
         self._starting: asyncio.Future | None = None
         self._closing: asyncio.Future | None = None
-        self.corrupt_pages = 0             # pages a read found damaged: dropped, their blocks recomputed
-        self.disk_full_events = 0          # spills the full filesystem refused ...
-        self.disk_full_dropped = 0         # ... and the evicted pages dropped instead
-        self.behind_failures = 0           # spills written behind whose write failed (not a full disk)
-        self._said: dict[str, float] = {}  # warning kind -> when it was last logged (_once_a_minute)
         self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
         self.remote = RemoteLink(self, cfg.remote) if cfg.remote is not None else None
         self.write_through = WriteThrough(self, cfg.disk) \
@@ -202,13 +156,13 @@ class Store:
     async def _start(self) -> None:
         # the store's loop, kept: on Python 3.11 every asyncio.get_running_loop() is a getpid()
         # system call, which cost the loop 3 % of its time in the three-tier replay
-        loop = self._loop = self.claims.loop = asyncio.get_running_loop()
+        loop = self.loop = self.claims.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         keep_gil_below(LOOP_KEEPS_GIL_BELOW)     # this (the loop's) thread: small inline copies keep the GIL
         with short_switch_interval():           # the loop keeps its turn while a worker replays the journal
             await loop.run_in_executor(None, self._build)
             self.engine.attach(loop)
-            self.engine.on_behind_failure = self._behind_failed
+            self.engine.on_behind_failure = self.moves.behind_failed
             if self.write_through is not None:
                 self.engine.staged = None       # a promoted page's disk copy must be written when it lands
             if self.kv_events is not None:
@@ -259,7 +213,7 @@ class Store:
                     low = int(cap * scale * cfg.reserve)
                     step = max(low, step)
                 elif cfg.reserve > 0 and len(self.tier_ids) > 1:    # two spill batches
-                    low = min(2 * self._line_batch[self.tier_ids[-2]], cap // 8)
+                    low = min(2 * self.moves.line_batch[self.tier_ids[-2]], cap // 8)
                     if low + step > DISK_SHARE * cap:
                         continue
                 else:
@@ -301,10 +255,15 @@ class Store:
             # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier
             # can make room for it from its own evictable pages
             nxt = self.next_tier[t]
-            self._line_batch[t] = MAX_BATCH if nxt is None else \
+            self.moves.line_batch[t] = MAX_BATCH if nxt is None else \
                 min([MAX_BATCH] + [max(1, c // 4) for c in capacity[nxt]])
         self.max_extend = min(capacity[GPU][g] // k for g, k in self.lcs_per_gpu_group.items())
         self.engine = MigrationEngine(self.device, self.lcs, gpu, host, self.disk, cold_bytes)
+
+    @property
+    def closing(self) -> bool:
+        """A close has begun (or ended): the store takes no new sequences."""
+        return self._closing is not None
 
     async def close(self) -> None:
         """Wait for in-flight moves, optionally persist, release everything.
@@ -327,17 +286,17 @@ class Store:
             await r.stop()
         if self.write_through is not None:
             await self.write_through.stop()     # its batch in flight lands; persisting covers the rest
-        await self._wait_tasks()
+        await self.moves.wait_tasks()
         if self.started and self.disk is not None and self.cfg.persist_on_close:
             try:
                 await persist(self)
             except Exception as exc:   # noqa: BLE001 - closing must finish; the pages stay unpersisted
                 log.warning("persisting pages at close failed: %s", exc)
         if self.engine is not None:
-            await self._behind_written()        # a write that fails is still handled while the store is open
+            await self.moves.behind_written()        # a write that fails is still handled while the store is open
         if self.remote is not None:
-            while self._tasks:                  # write-through started by persisting, imports of late opens
-                await self._wait_tasks()
+            while self.moves.tasks:             # write-through started by persisting, imports of late opens
+                await self.moves.wait_tasks()
             await self.remote.close()
         if self.kv_events is not None and self.core is not None:
             await self.kv_events.stop()         # the last batches, persisting's moves included
@@ -417,8 +376,8 @@ class Store:
             raise UsageError("pass exactly one of tokens= or block_keys=")
         # on the store's thread with its loop running, that loop is the running one: no
         # get_running_loop (a getpid() system call on Python 3.11) per request
-        if (threading.get_ident() != self._loop_thread or not self._loop.is_running()) \
-                and asyncio.get_running_loop() is not self._loop:
+        if (threading.get_ident() != self._loop_thread or not self.loop.is_running()) \
+                and asyncio.get_running_loop() is not self.loop:
             raise UsageError("the store runs on the event loop it was opened on: use it from that loop "
                              "(asyncio.run_coroutine_threadsafe from other threads)")
         if priority is None:
@@ -431,7 +390,7 @@ class Store:
             if len(token_arr) <= HASH_ON_LOOP_TOKENS:
                 keys = hash_blocks(token_arr, self.tpb, self.cfg.hash_salt)
             else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
-                keys = await self._loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
+                keys = await self.loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
             self._check()                   # the store may have closed meanwhile
             sid, matched, by_tier = core.open(keys, priority)
             self._keep_tokens(sid, token_arr, len(keys))
@@ -476,7 +435,7 @@ class Store:
         """The remote run after sequence ``sid``'s match, imported by a task of the store's
         own: a caller cancelled meanwhile leaves it to finish (its moves and slots settle),
         and the sequence is closed then."""
-        task = self._spawn(self.remote.extend_match(sid, keys, matched))
+        task = self.moves.spawn(self.remote.extend_match(sid, keys, matched))
         try:
             out = await asyncio.shield(task)
         except BaseException:
@@ -505,7 +464,7 @@ class Store:
             # most finish without waiting (pages promoted from host memory by an inline copy, free
             # slots): run them here; a task (which a cancelled caller leaves running) only from the
             # first wait on, where a cancellation could come
-            done, task = start_eagerly(coro, self._loop)
+            done, task = start_eagerly(coro, self.loop)
         except BaseException:
             seq.busy = False
             raise
@@ -513,7 +472,7 @@ class Store:
             seq.busy = False
             return
         seq.task = task
-        self._track(task)
+        self.moves.track(task)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -533,15 +492,6 @@ class Store:
             seq.busy = False
             raise
         seq.busy = False
-
-    def _spawn(self, coro: Coroutine) -> asyncio.Task:
-        return self._track(self._loop.create_task(coro))
-
-    def _track(self, task: asyncio.Task) -> asyncio.Task:
-        """Count ``task`` among the store's (close and drain wait for them)."""
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- extend ------------------------------------------------------------------------------
     def _extend_counts(self, n: int) -> dict[int, int]:
@@ -587,13 +537,13 @@ class Store:
         self._check()
         if n == 0:
             return 0
-        slots = await self._obtain_many(GPU, self._extend_counts(n))
+        slots = await self.moves.obtain_many(GPU, self._extend_counts(n))
         await wait_events(self.events.all(self.core.place_extension(seq.sid, n, slots)))
         return n
 
     def _undo_extend(self, seq: Sequence, n: int) -> None:
         self.core.undo_extend(seq.sid, n)
-        self._sync()
+        self.moves.sync()
 
     # -- acquire / release -------------------------------------------------------------------
     async def _acquire(self, seq: Sequence) -> Pages:
@@ -620,22 +570,22 @@ class Store:
             try:
                 cold = core.cold_pages(pages)
                 if cold:
-                    self._claim(cold, GPU)
+                    self.moves.claim(cold, GPU)
                     try:
-                        slots = await self._obtain_many(GPU, core.group_counts(cold, GPU))
+                        slots = await self.moves.obtain_many(GPU, core.group_counts(cold, GPU))
                     except BaseException as exc:
-                        self._unclaim(cold, exc)
+                        self.moves.unclaim(cold, exc)
                         raise
-                    await self._move_claimed(cold, GPU, slots, handoff=False)
+                    await self.moves.move(cold, GPU, slots, handoff=False)
             except CorruptPageError:
                 # The bad pages were dropped (with the rest of their prefix where it is critical): the
                 # next pass finds their blocks empty and gives them fresh pages to recompute.
                 core.unlock(pages)
-                self._sync()
+                self.moves.sync()
                 continue
             except BaseException:
                 core.unlock(pages)
-                self._sync()
+                self.moves.sync()
                 raise
             break
         core.finish_acquire(seq.sid, pages)
@@ -648,21 +598,21 @@ class Store:
         pages = self.core.prefetch_pages(seq.sid)
         if not pages:
             return None
-        self._claim(pages, GPU, propagate=False)
+        self.moves.claim(pages, GPU, propagate=False)
 
         async def promote() -> None:
             try:
-                slots = await self._obtain_many(GPU, self.core.group_counts(pages, GPU))
+                slots = await self.moves.obtain_many(GPU, self.core.group_counts(pages, GPU))
             except BaseException as exc:
-                self._unclaim(pages, None)
+                self.moves.unclaim(pages, None)
                 if not isinstance(exc, (OutOfPagesError, asyncio.CancelledError)):
                     log.warning("prefetch failed: %r", exc)
                 return
             try:
-                await self._move_claimed(pages, GPU, slots, handoff=False)
+                await self.moves.move(pages, GPU, slots, handoff=False)
             except (OSError, KvtierError) as exc:
                 log.warning("prefetch failed: %r", exc)
-        return self._spawn(promote())
+        return self.moves.spawn(promote())
 
     async def _fill_holes(self, seq: Sequence, holes: list[int]) -> None:
         """New (empty) GPU pages for needed pages that no tier holds; the
@@ -672,12 +622,12 @@ class Store:
         for lc in holes[1::2]:
             g = gpu_group[lc]
             counts[g] = counts.get(g, 0) + 1
-        slots = await self._obtain_many(GPU, counts)
+        slots = await self.moves.obtain_many(GPU, counts)
         await wait_events(self.events.all(self.core.fill_holes(seq.sid, holes, slots)))
 
     def _undo_acquire(self, seq: Sequence, pages: Pages) -> None:
         self.core.undo_acquire(seq.sid, pages)
-        self._sync()
+        self.moves.sync()
 
     def _release(self, seq: Sequence, stream=None) -> None:
         """Unlock exactly the pages this sequence locked (others may share them), fenced by
@@ -720,391 +670,13 @@ class Store:
         seq.final_committed = self.core.close(seq.sid)      # (it releases what is still locked, unfenced)
         seq.closed = True
         if self.disk is not None:
-            self._sync()
+            self.moves.sync()
 
     def _drop(self, page) -> None:
         """Drop a published page (a ``PageView``) as the last tier's eviction
         would, its subtree too when it is prefix-critical (tests and tools)."""
         self.core.drop_page(page.id)
-        self._sync()
-
-    # -- what the core asks of the disk ---------------------------------------------------------
-    def _sync(self) -> None:
-        """Submit the disk frees and relabels the core decided on, in order
-        with the writes that may reuse those slots (before anything awaits)."""
-        if self.disk is None:
-            return
-        core = self.core
-        for g, slots in core.take_disk_frees():
-            self._disk_free(g, slots)
-        for g, slots, pages in core.take_relabels():
-            records = self.records(pages)
-            self.engine.io_write.submit(lambda g=g, slots=slots, records=records:
-                                        self.disk.relabel(g, slots, records, durable=False), event=False)
-
-    def _disk_free(self, group: int, slots: list[int]) -> None:
-        """Forget disk slots, in order with the other work of the write stream. Frees gather
-        into one job: a free joins the last free job while that job has not started and
-        nothing else was submitted to the stream after it (a relabel or a write queued since
-        must keep running before the frees made after it). So the disk thread takes the GIL
-        once for many frees, each time a wait behind a busy loop."""
-        stream = self.engine.io_write
-        batch = self._free_batch
-        if batch is not None and stream.queued == batch.mark and batch.join(group, slots):
-            return
-        batch = _FreeBatch(group, slots)
-        stream.submit(lambda: self._apply_disk_frees(batch), event=False)
-        batch.mark = stream.queued
-        self._free_batch = batch
-
-    def _apply_disk_frees(self, batch: "_FreeBatch") -> None:
-        """On the disk write thread: one batch of frees (see _disk_free), one ``DiskTier.free``
-        per group (each call's checks cost more than its slots: 1,100 calls of 100 us a replay).
-        A call that fails has changed nothing; its frees then go one by one, as before."""
-        per_group: dict[int, list[list[int]]] = {}
-        for group, slots in batch.take():
-            per_group.setdefault(group, []).append(slots)
-        for group, parts in per_group.items():
-            if len(parts) > 1:
-                try:
-                    self.disk.free(group, [s for part in parts for s in part])
-                    continue
-                except Exception as exc:    # noqa: BLE001 - the parts alone say which one is wrong
-                    log.debug("merged disk free of group %d failed (%r): freeing its %d parts one by one",
-                              group, exc, len(parts))
-            for slots in parts:
-                try:
-                    self.disk.free(group, slots)
-                except Exception as exc:    # noqa: BLE001 - as a job of its own would: logged, the rest go on
-                    log.warning("%s: background job failed: %r", self.engine.io_write.name, exc)
-
-    def records(self, pages: Pages) -> np.ndarray:
-        """The disk journal records of ``pages`` (anonymous for uncommitted ones), one array."""
-        return np.frombuffer(self.core.disk_records(pages), dtype=RECORD)
-
-    # -- claims, eviction and moves ------------------------------------------------------------
-    def _claim(self, pages: Pages, to_tier: int, propagate: bool = True) -> None:
-        """Mark pages as moving: one claim per batch the move will run
-        (source tier and group, destination group); waiters on a promotion
-        get its error when ``propagate``."""
-        self.claims.open(self.core.claim(pages, to_tier, False), to_tier == GPU and propagate)
-
-    def _unclaim(self, pages: Pages, exc: BaseException | None) -> None:
-        self.claims.settle(self.core.unclaim(pages), exc)
-        self._sync()
-
-    async def _obtain_many(self, tier: int, counts) -> dict[int, list[int]]:
-        """Slots in several groups of one tier, all or none; ``counts`` is a
-        {group: n} dict or (group, n) pairs."""
-        got: dict[int, list[int]] = {}
-        items = counts.items() if isinstance(counts, dict) else counts
-        try:
-            for g, n in sorted(items):      # one order for every caller: no two wait on each other's line
-                got[g] = await self._obtain(tier, g, n)
-        except BaseException:
-            for g, slots in got.items():
-                self.core.give_back(tier, g, slots)
-            raise
-        return got
-
-    async def _obtain(self, tier: int, group: int, n: int) -> list[int]:
-        """``n`` free slots, evicting (and cascading) as needed.
-
-        A request that finds enough slots free takes them at once (as the Sequence's fast
-        paths do). Requests short of slots wait in line, first come first served: only the
-        head evicts, for itself and, in the same batch, for some of the demand behind it.
-        Without the line, concurrent requests each took what was free (none got enough), each
-        ran a small eviction of its own and all woke on every landing: at concurrency 32 that
-        was 64 k wake-ups and 2.4x the batches of concurrency 1 for the same moves."""
-        core = self.core
-        reclaimer = self.reclaimers.get((tier, group))
-        if reclaimer is not None:
-            reclaimer.kick_after(n)
-        if n <= core.free(tier, group):
-            return core.allocate(tier, group, n)
-        key = (tier, group)
-        line = self._lines.get(key)
-        if line is None:
-            line = self._lines[key] = collections.deque()
-        me = _InLine(n)
-        line.append(me)
-        try:
-            if len(line) > 1:
-                me.turn = self._loop.create_future()
-                await me.turn
-            return await self._obtain_first(tier, group, n, reclaimer, line)
-        finally:
-            head = line[0] is me
-            line.remove(me)
-            if head and line and line[0].turn is not None and not line[0].turn.done():
-                line[0].turn.set_result(None)
-
-    async def _obtain_first(self, tier: int, group: int, n: int, reclaimer: Reclaimer | None,
-                            line: collections.deque[_InLine]) -> list[int]:
-        """_obtain for the head of the line."""
-        core = self.core
-        key = (tier, group)
-        got = core.allocate(tier, group, min(n, core.free(tier, group)))
-        landings = 0
-        try:
-            while len(got) < n:
-                short = n - len(got)
-                if self.refilling.get(key, 0) >= short and landings < REFILL_WAITS:
-                    # demotions in flight will give back enough: wait for them rather than run a
-                    # small batch of our own (a few times: requests that find slots free take
-                    # them too, so landed slots may go elsewhere; then it evicts its own)
-                    await self._refill_landed(key)
-                    landings += 1
-                else:
-                    # evicting on demand: for the requests behind in line too, and to refill the
-                    # background reserve, less what demotions in flight will give back. The
-                    # extra is capped (_line_batch): a batch larger than the next tier can make
-                    # room for would skip that tier whole, dropping newer pages where a smaller
-                    # batch would have pushed out the next tier's oldest
-                    behind = sum(w.need for w in line) - n
-                    extra = min(max(0, behind + (reclaimer.high if reclaimer is not None and reclaimer.running else 0)
-                                    - self.refilling.get(key, 0)), self._line_batch[tier])
-                    # pages the background demotion or a write-through copy has claimed are not
-                    # evictable, but they are again when it finishes: wait for that rather than fail
-                    wt = self.write_through if tier != DISK else None
-                    busy = reclaimer.idle if reclaimer is not None and reclaimer.busy else \
-                        wt.idle if wt is not None and not wt.idle.is_set() else None
-                    victims = self._pick_victims(tier, group, short, extra, raise_=busy is None)
-                    if victims is None:
-                        await busy.wait()
-                    else:
-                        spare = len(victims) - short
-                        self.refilling_add(key, spare)
-                        try:
-                            freed = await self._evict(tier, victims)
-                            if len(freed) > short:      # back to the pool, each with the fence of its last reader
-                                core.give_back(tier, group, freed[short:])
-                        finally:
-                            self.refilling_add(key, -spare)
-                        return got + freed[:short]
-                got += core.allocate(tier, group, min(core.free(tier, group), n - len(got)))
-            return got
-        except BaseException:
-            core.give_back(tier, group, got)
-            raise
-
-    def refilling_add(self, key: tuple[int, int], n: int) -> None:
-        """Count ``n`` more (or, negative, fewer) slots that demotions in flight will give back
-        to (tier, group)'s pool; when it falls, wake the requests waiting for them."""
-        if not n:
-            return
-        self.refilling[key] = self.refilling.get(key, 0) + n
-        if n < 0:
-            fut = self._refill_waiters.pop(key, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-
-    async def _refill_landed(self, key: tuple[int, int]) -> None:
-        """Wait until a demotion in flight for (tier, group) lands (or fails)."""
-        fut = self._refill_waiters.get(key)
-        if fut is None or fut.done():
-            fut = self._refill_waiters[key] = self._loop.create_future()
-        await asyncio.shield(fut)       # a cancelled waiter leaves the others' future alone
-
-    def _pick_victims(self, tier: int, group: int, need: int, extra: int = 0, raise_: bool = True) -> Pages | None:
-        """Claim ``need`` victims plus up to ``extra`` more if the queue has
-        them; if fewer than ``need`` are evictable, nothing is claimed and
-        OutOfPagesError is raised (None without ``raise_``).
-
-        A demotion in a group with a background reserve takes at least one refill step
-        (within the line batch) where the queue has it: each batch costs the loop fixed
-        work and thread hand-offs, and at concurrency 32 demand evictions of a few pages
-        each had made 1.5x the batches of concurrency 1. The pages demoted early live on
-        in the next tier; their slots wait free, as the reserve's do."""
-        core = self.core
-        reclaimer = self.reclaimers.get((tier, group))
-        if reclaimer is not None and reclaimer.running and self.next_tier[tier] is not None:
-            extra = max(extra, min(reclaimer.step, self._line_batch[tier]) - need)
-        picked = core.pick_victims(tier, group, need, extra)
-        if picked is None:
-            if not raise_:
-                return None
-            raise OutOfPagesError(f"{TIER_NAMES[tier]} pool group {group}: need {need} more slots, "
-                                  f"{core.free(tier, group)} free of {core.capacity(tier, group)} "
-                                  f"and only {core.queue_len(tier, group)} evictable")
-        victims, claims = picked
-        self.claims.open(claims, False)
-        return victims
-
-    async def _evict(self, tier: int, victims: Pages) -> list[int]:
-        """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller.
-        Under write-through, victims bound for the disk that have a clean copy there take over
-        their copy's slot: no bytes move."""
-        if self.write_through is None or self.next_tier[tier] != DISK:
-            return await self._evict_claimed(tier, victims)
-        group = self.core.page_info(victims.slice(0, 1).tolist()[0])["group"] if victims else 0
-        claims, handed, victims = self.core.swap_to_copies(victims)
-        self.claims.settle(claims)
-        self._sync()
-        if not victims:
-            return handed
-        try:
-            return handed + await self._evict_claimed(tier, victims)
-        except BaseException:
-            self.core.give_back(tier, group, handed)    # the moved victims' slots: nobody takes them now
-            raise
-
-    async def _evict_claimed(self, tier: int, victims: Pages) -> list[int]:
-        nxt = self.next_tier[tier]
-        while nxt is not None:
-            try:
-                slots = await self._obtain_many(nxt, self.core.group_counts(victims, nxt))
-            except OutOfPagesError:
-                # the next tier is full of locked, held or in-flight pages: skip to a colder one
-                # (cold groups are the same in host and disk); drop only when none can take them
-                nxt = self.next_tier[nxt]
-                if nxt is None and not self.core.droppable(victims):
-                    self._unclaim(victims, None)
-                    raise
-            except BaseException:
-                self._unclaim(victims, None)
-                raise
-            else:
-                try:
-                    return await self._move_claimed(victims, nxt, slots, handoff=True)
-                except DiskFullError as exc:
-                    # the filesystem takes no more: the disk keeps what it has, and victims that are
-                    # only cached copies are dropped instead of spilled (a later spill retries)
-                    if nxt != DISK or not self.core.droppable(victims):
-                        raise
-                    self._disk_full(exc, len(victims))
-                    # the failed move ended their claims: claim them again, so that the drop below
-                    # frees each slot once (a subtree drop must not free a victim's slot under it)
-                    self._claim(victims, DISK)
-                break
-        if self.remote is not None and self.remote.settings.write == "back" and tier != GPU:
-            try:
-                await self.remote.write_back(victims)   # to the server before the drop (still claimed)
-            except BaseException:
-                self._unclaim(victims, None)
-                raise
-        claims, freed = self.core.drop_victims(tier, victims)
-        self.claims.settle(claims)
-        self._sync()
-        return freed
-
-    def _behind_failed(self, exc: BaseException, batch: Batch) -> None:
-        """A spill written behind failed after its pages landed (migration._spill_behind): the
-        disk tier forgot their slots; the pages are dropped (a miss from now on, as after a
-        refused spill), but for any a read has claimed meanwhile, which that read drops."""
-        if self.closed:
-            return                      # closing waited for the writes: nothing is served any more
-        self.core.discard_unwritten(batch.pages, batch.ready_id)
-        self._sync()
-        if isinstance(exc, DiskFullError):
-            self._disk_full(exc, len(batch))
-            return
-        self.behind_failures += 1
-        if self._once_a_minute("write behind failed"):
-            log.warning("a disk write of %d spilled page(s) failed after they landed: %r; they are dropped "
-                        "(%d such write(s) so far)", len(batch), exc, self.behind_failures)
-
-    def _once_a_minute(self, kind: str) -> bool:
-        """Whether a warning of ``kind`` may be logged now (at most once a minute each)."""
-        now = self._loop.time()
-        if now - self._said.get(kind, float("-inf")) < 60.0:
-            return False
-        self._said[kind] = now
-        return True
-
-    def _disk_full(self, exc: DiskFullError, dropped: int) -> None:
-        """Count a spill the full filesystem refused, and say so (once a minute at most)."""
-        self.disk_full_events += 1
-        self.disk_full_dropped += dropped
-        if self._once_a_minute("disk full"):
-            log.warning("disk tier is full (%s): evicted pages are dropped instead of spilled until it has "
-                        "room again; %d spill(s) refused so far", exc, self.disk_full_events)
-
-    async def _move_claimed(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
-                            handoff: bool) -> list[int]:
-        """Move claimed pages into ``slots`` (per destination group). Batches
-        run concurrently, one per (source tier, source group, destination
-        group). With ``handoff`` the source slots are returned to the caller
-        instead of freed. On failure every batch's claims are settled and the
-        first error is raised (after the others finish)."""
-        batches = self.core.split_batches(pages, dst_tier)
-        if len(batches) == 1:           # the common case, one batch: no task, no gather
-            _, _, g, batch = batches[0]
-            return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff)
-        jobs = []
-        for _, _, g, batch in batches:
-            mine = sorted(slots[g][:len(batch)])
-            del slots[g][:len(batch)]
-            jobs.append(self._spawn(self._move_batch(batch, dst_tier, g, mine, handoff)))
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        freed, error = [], None
-        for r in results:
-            if isinstance(r, BaseException):
-                error = error or r
-            else:
-                freed.extend(r)
-        if error is not None:
-            if handoff and freed:     # source slots of the batches that did move: nobody takes them now
-                src_tier, src_group = batches[0][0], batches[0][1]
-                self.core.give_back(src_tier, src_group, freed)
-            raise error
-        return freed
-
-    async def _move_batch(self, batch: Pages, dst_tier: int, g: int, dst_slots: list[int],
-                          handoff: bool) -> list[int]:
-        core = self.core
-        src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
-        fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
-        self._sync()
-        job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)), lambda: self.records(batch))
-        # a spill of pages the store may lose is written behind (migration._spill_behind); not with
-        # a remote tier, whose write-back reads disk victims before their drop
-        job.behind = src_tier == HOST and dst_tier == DISK and self.remote is None and core.droppable(batch)
-        reserved = 0
-        if self.remote is not None and self.remote.settings.write == "through" and src_tier == GPU:
-            # leaving the GPU: write-through to the remote tier
-            nbytes = len(src_slots) * self.engine.cold_bytes[g]
-            if self.remote.reserve(nbytes):
-                reserved = nbytes
-                records = self.records(batch)           # now: the claim keeps these pages as they are
-
-                def tee(rows: torch.Tensor) -> None:
-                    nonlocal reserved
-                    reserved = 0                # write_through owns the reservation from here, and releases it
-                    try:
-                        self.remote.write_through(records, rows, nbytes)
-                    except Exception:           # noqa: BLE001 - it never got to its own release
-                        self.remote.release(nbytes)
-                        raise
-                job.tee = tee
-            else:
-                self.remote.skipped_pages += len(src_slots)
-        try:
-            ev = await self.engine.run(job, dst_tier, g, dst_slots, fences)
-        except BaseException as exc:
-            if reserved:
-                self.remote.release(reserved)
-                reserved = 0
-            self.engine.stats.failures[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += 1
-            core.give_back(dst_tier, g, dst_slots)
-            self._unclaim(batch, exc)
-            if isinstance(exc, CorruptPageError):
-                depths = core.discard_corrupt(batch, list(getattr(exc, "slots", ())))
-                self.corrupt_pages += len(depths)
-                log.warning("dropped %d corrupt disk page(s) at depths %s: their blocks will be recomputed",
-                            len(depths), sorted(depths)[:16])
-                self._sync()
-            raise
-        if reserved:                            # the tee never ran (its copy failed): nothing to write
-            self.remote.release(reserved)
-            self.remote.skipped_pages += len(src_slots)
-        ready = self.events.id(ev, keep=job.released)     # a write behind may have failed already
-        if job.released:
-            job.pages, job.ready_id = batch, ready
-        claims, freed = core.land(batch, dst_tier, g, dst_slots, ready, handoff, 0 if job.released else None)
-        self.claims.settle(claims)
-        self._sync()
-        return freed
+        self.moves.sync()
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -1134,8 +706,8 @@ class Store:
             "recovered_pages": counters["recovered"],
             "orphaned_pages": counters["orphaned"],
             "discarded_pages": counters["discarded"] + (len(self.disk.discarded) if self.disk is not None else 0),
-            "corrupt_pages": self.corrupt_pages,
-            "disk_full": {"refused_spills": self.disk_full_events, "dropped_pages": self.disk_full_dropped},
+            "corrupt_pages": self.moves.corrupt_pages,
+            "disk_full": {"refused_spills": self.moves.disk_full_events, "dropped_pages": self.moves.disk_full_dropped},
             "write_through": self.write_through.stats() if self.write_through is not None else write_through_off(),
             "core": {"live_pages": core.live_pages(), "live_blocks": core.live_blocks(),
                      "memory_bytes": core.memory_bytes()},
@@ -1182,9 +754,9 @@ class Store:
             return any(r.busy or (r.wake.is_set() and r.task is not None) for r in self.reclaimers.values())
 
         while True:
-            while self._tasks or background() or self.engine.behind:
-                await self._wait_tasks()
-                await self._behind_written()
+            while self.moves.tasks or background() or self.engine.behind:
+                await self.moves.wait_tasks()
+                await self.moves.behind_written()
                 await asyncio.sleep(0.001)
             if self.write_through is None or self.closed:
                 return
@@ -1192,20 +764,8 @@ class Store:
             running = self.write_through.flush_pass()
             await asyncio.wait([running])
             await asyncio.wait([self.write_through.flush_pass()])
-            if not self._tasks and not background():
+            if not self.moves.tasks and not background():
                 return
-
-    async def _behind_written(self) -> None:
-        """Wait until no spill written behind is in flight (each written or failed)."""
-        while self.engine.behind:
-            await ended(next(iter(self.engine.behind)), self._loop)
-            await asyncio.sleep(0)      # its _behind_done (scheduled before the waiter woke) ran
-
-    async def _wait_tasks(self) -> None:
-        """Wait for the store's tasks to end. ``asyncio.wait``, not ``gather``:
-        a waiter that is cancelled must not cancel the moves it waits for."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
 
     def check_consistency(self) -> None:
         """Assert the bookkeeping invariants (tests and ``kvtier stress`` call it)."""

@@ -78,7 +78,7 @@ class WriteThrough:
         """The running flush pass, or a new one: a store task, so a caller
         that is cancelled while it waits (``drain()``) cancels no copy."""
         if self._flush is None or self._flush.done():
-            self._flush = self.store._spawn(self._pass())
+            self._flush = self.store.moves.spawn(self._pass())
         return self._flush
 
     async def _pass(self) -> None:
@@ -95,7 +95,7 @@ class WriteThrough:
                     return
                 store.claims.open(claims, False)
                 batches = core.split_batches(pages, DISK)
-                jobs = [store._spawn(self._batch(b, g)) for _, _, g, b in batches]
+                jobs = [store.moves.spawn(self._batch(b, g)) for _, _, g, b in batches]
                 await asyncio.wait(jobs)
                 landed = True
                 for j in jobs:              # every outcome retrieved, the first error raised
@@ -125,9 +125,9 @@ class WriteThrough:
         store = self.store
         core = store.core
         try:
-            slots = await store._obtain(DISK, group, len(batch))
+            slots = await store.moves.obtain(DISK, group, len(batch))
         except BaseException as exc:
-            store._unclaim(batch, None)
+            store.moves.unclaim(batch, None)
             if isinstance(exc, OutOfPagesError):    # the disk is full of held or moving pages: later
                 return False
             if isinstance(exc, Exception):
@@ -136,19 +136,19 @@ class WriteThrough:
             raise
         src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
         fences = store.events.all(core.slot_fences(DISK, group, slots))
-        store._sync()
-        job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)), lambda: store.records(batch))
+        store.moves.sync()
+        job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)), lambda: store.moves.records(batch))
         try:
             ev = await store.engine.run(job, DISK, group, slots, fences, record=False)
         except BaseException as exc:        # as a failed move: the slots go back, the claims end
             core.give_back(DISK, group, slots)
-            store._unclaim(batch, None)
+            store.moves.unclaim(batch, None)
             if not isinstance(exc, Exception):
                 raise
             self._failed(exc)
             return False
         store.claims.settle(core.land_copies(batch, group, slots, store.events.id(ev)))
-        store._sync()
+        store.moves.sync()
         self.copied_pages += len(slots)
         self.copied_bytes += len(slots) * store.engine.cold_bytes[group]
         self.batches += 1

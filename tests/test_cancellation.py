@@ -37,13 +37,13 @@ async def test_a_cancelled_drain_cancels_no_move(tmp_path, monkeypatch):
         store.engine.io_write.submit(gate.wait)          # the disk writer is busy: spills queue up
         more = asyncio.ensure_future(fill(store, toks(3, 4)))      # needs a spill to disk
         await asyncio.sleep(0.02)
-        assert store._tasks and not more.done()
+        assert store.moves.tasks and not more.done()
         drain = asyncio.ensure_future(store.drain())
         await asyncio.sleep(0.02)
         drain.cancel()
         with pytest.raises(asyncio.CancelledError):
             await drain
-        assert store._tasks and not any(t.cancelled() for t in store._tasks)
+        assert store.moves.tasks and not any(t.cancelled() for t in store.moves.tasks)
         gate.set()
         await asyncio.wait_for(more, 10)                 # (it used to wedge here)
         await fill(store, toks(4, 4))
@@ -293,9 +293,9 @@ async def test_an_acquire_promoting_from_host_memory_needs_no_task():
         await fill(store, toks(2, 4))                    # sequence 1's pages went to the host
         seq = await store.open_sequence(tokens=toks(1, 4))
         assert seq.matched_by_tier.get("host") == 4
-        tasks = set(store._tasks)
+        tasks = set(store.moves.tasks)
         await seq.acquire()
-        assert seq.task is None and not seq.busy and set(store._tasks) <= tasks
+        assert seq.task is None and not seq.busy and set(store.moves.tasks) <= tasks
         for b in range(4):
             assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b))
         await seq.release()

@@ -893,12 +893,12 @@ async def test_store_frees_made_before_the_job_runs_join_it_and_stay_ordered_wit
         blocker = stream.submit(lambda: (started.set(), gate.wait(10)))
         assert started.wait(10)
         queued = stream.queued
-        store._disk_free(0, [0])
-        store._disk_free(0, [1, 2])
+        store.moves._disk_free(0, [0])
+        store.moves._disk_free(0, [1, 2])
         assert stream.queued == queued + 1              # one job for both frees
         written = stream.submit(lambda: tier.write(0, [2], rows_for([99], width), [rec(99)]))
         relabeled = stream.submit(lambda: tier.relabel(0, [3], [rec(77)]))
-        store._disk_free(0, [3])                        # after the relabel queued since: a job of its own
+        store.moves._disk_free(0, [3])                        # after the relabel queued since: a job of its own
         assert stream.queued == queued + 4
         gate.set()
         for ev in (blocker, written, relabeled):
@@ -911,7 +911,7 @@ async def test_store_frees_made_before_the_job_runs_join_it_and_stay_ordered_wit
         done = threading.Event()
         stream.submit(lambda: done.wait(10), event=False)
         queued = stream.queued
-        store._disk_free(0, [4])                        # the last free job has run: a job of its own
+        store.moves._disk_free(0, [4])                        # the last free job has run: a job of its own
         assert stream.queued == queued + 1
         done.set()
         stream.synchronize()

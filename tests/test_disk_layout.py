@@ -60,7 +60,7 @@ def test_a_batch_of_frees_is_one_call_per_group_and_a_bad_part_fails_alone(tmp_p
     and logged, as when each free was a call of its own."""
     from types import SimpleNamespace
 
-    from runtime.store import Store as _Store, _FreeBatch
+    from runtime.moves import Moves, _FreeBatch
     from test_disk import open_tier, rec, rows_for
 
     tier = open_tier(tmp_path)
@@ -79,7 +79,7 @@ def test_a_batch_of_frees_is_one_call_per_group_and_a_bad_part_fails_alone(tmp_p
         batch = _FreeBatch(0, [1, 2])
         for part in ([3], [4, 5]):
             assert batch.join(0, part)
-        _Store._apply_disk_frees(owner, batch)
+        Moves._apply_disk_frees(owner, batch)
         assert calls == [[1, 2, 3, 4, 5]]
         assert tier.live_slots(0) == [0, 6, 7, 8, 9]
 
@@ -88,7 +88,7 @@ def test_a_batch_of_frees_is_one_call_per_group_and_a_bad_part_fails_alone(tmp_p
         for part in ([3], [7]):                  # 3 is free already: that part alone fails
             assert batch.join(0, part)
         with caplog.at_level(logging.WARNING, logger="kvtier"):
-            _Store._apply_disk_frees(owner, batch)
+            Moves._apply_disk_frees(owner, batch)
         assert calls == [[6, 3, 7], [6], [3], [7]]
         assert tier.live_slots(0) == [0, 8, 9]
         warned = [r for r in caplog.records if "background job failed" in r.getMessage()]

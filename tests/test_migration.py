@@ -99,9 +99,9 @@ async def test_a_demotion_takes_at_least_a_refill_step():
     async with _gpu_of_64_committed() as store:       # keep 8 free, refill by a step of 8
         r = store.reclaimers[(GPU, 0)]
         assert r.step == 8 and store.core.queue_len(GPU, 0) > 8
-        victims = store._pick_victims(GPU, 0, 1)
+        victims = store.moves.pick_victims(GPU, 0, 1)
         assert len(victims) == 8
-        store._unclaim(victims, None)
+        store.moves.unclaim(victims, None)
         assert (HOST, 0) not in store.reclaimers                 # the last tier: no floor
         store.check_consistency()
 
@@ -189,7 +189,7 @@ async def test_cancelled_acquire_leaks_nothing():
                 await task
         finally:
             gate.set()
-        await asyncio.gather(*store._tasks)
+        await asyncio.gather(*store.moves.tasks)
         await asyncio.sleep(0)
         await store.drain()
         store.check_consistency()
@@ -366,12 +366,12 @@ async def test_requests_short_of_slots_wait_in_line_and_the_first_evicts_for_all
         assert "gpu->host" not in store.stats()["moves"]
         order: list[int] = []
         started, go = asyncio.Event(), asyncio.Event()
-        evict = store._evict
+        evict = store.moves.evict
 
         async def held_evict(tier, victims):        # the first eviction waits until all are in line
             await go.wait()
             return await evict(tier, victims)
-        store._evict = held_evict
+        store.moves.evict = held_evict
 
         async def request(j: int) -> None:
             seq = await store.open_sequence(block_keys=list(range(1000 + 10 * j, 1006 + 10 * j)))
@@ -386,7 +386,7 @@ async def test_requests_short_of_slots_wait_in_line_and_the_first_evicts_for_all
         tasks = [asyncio.ensure_future(request(j)) for j in range(8)]
         await started.wait()
         for _ in range(100):
-            line = store._lines.get((0, 0), ())
+            line = store.moves.lines.get((0, 0), ())
             if len(line) == 8:
                 break
             await asyncio.sleep(0)
@@ -425,20 +425,20 @@ async def test_the_line_batch_fits_the_next_tier_and_fitting_requests_do_not_que
         for k in old + hot:                     # the 16 old pages end up filling the host tier
             await one(store, [k])
         go = asyncio.Event()
-        evict = store._evict
+        evict = store.moves.evict
 
         async def held_evict(tier, victims):    # the first eviction waits until all are in line
             await go.wait()
             return await evict(tier, victims)
-        store._evict = held_evict
+        store.moves.evict = held_evict
         tasks = [asyncio.ensure_future(one(store, list(range(30_000 + 10 * j, 30_006 + 10 * j))))
                  for j in range(8)]
         for _ in range(100):
             await asyncio.sleep(0)
-        assert len(store._lines[(0, 0)]) == 8
+        assert len(store.moves.lines[(0, 0)]) == 8
         go.set()
         await asyncio.gather(*tasks)
-        store._evict = evict
+        store.moves.evict = evict
         kept = 0
         for k in old:
             seq = await store.open_sequence(block_keys=[k])
@@ -449,17 +449,17 @@ async def test_the_line_batch_fits_the_next_tier_and_fitting_requests_do_not_que
         # a request that fits in the free pool does not wait for the evicting head
         seq = await store.open_sequence(block_keys=list(range(40_000, 40_003)))
         await seq.extend(3)                         # holds 3 slots, uncommitted
-        store._evict = held_evict
+        store.moves.evict = held_evict
         go.clear()
         head = asyncio.ensure_future(one(store, list(range(50_000, 50_006))))
         for _ in range(20):
             await asyncio.sleep(0)
         await seq.close()                           # its 3 slots are free again
-        slots = await asyncio.wait_for(store._obtain(0, 0, 2), 1.0)
+        slots = await asyncio.wait_for(store.moves.obtain(0, 0, 2), 1.0)
         store.core.give_back(0, 0, slots)
         go.set()
         await head
-        store._evict = evict
+        store.moves.evict = evict
         store.check_consistency()
 
 
@@ -507,12 +507,12 @@ async def test_the_first_in_line_is_not_starved_by_requests_that_fit():
             await asyncio.sleep(0)
         await store.drain()
         go = asyncio.Event()
-        evict = store._evict
+        evict = store.moves.evict
 
         async def gated(tier, victims):             # demotions land only when the test says
             await go.wait()
             return await evict(tier, victims)
-        store._evict = gated
+        store.moves.evict = gated
         stop = False
 
         async def newcomers() -> None:              # requests that fit in the free pool as they arrive
@@ -527,7 +527,7 @@ async def test_the_first_in_line_is_not_starved_by_requests_that_fit():
         nc = asyncio.ensure_future(newcomers())
         for _ in range(20):
             await asyncio.sleep(0)
-        head = asyncio.ensure_future(store._obtain(0, 0, 8))
+        head = asyncio.ensure_future(store.moves.obtain(0, 0, 8))
         for _ in range(40):                         # 40 landings of the background demotion
             for _ in range(5):
                 await asyncio.sleep(0)
@@ -540,7 +540,7 @@ async def test_the_first_in_line_is_not_starved_by_requests_that_fit():
                 break
         stop = True
         go.set()
-        store._evict = evict
+        store.moves.evict = evict
         await nc
         assert head.done(), "the first in line got nothing in 40 landings"
         core.give_back(0, 0, head.result())

@@ -325,10 +325,10 @@ async def test_write_back_never_sends_gpu_rows(server, tmp_path):
     async with Store.open(config(gpu=8, host=8, disk=16, disk_dir=tmp_path, remote=settings)) as a:
         for i in range(6):
             await fill(a, prompt(i, blocks=1))
-        victims = a._pick_victims(GPU, 0, 2)
+        victims = a.moves.pick_victims(GPU, 0, 2)
         before = a.stats()["remote"]["written_pages"]
         await a.remote.write_back(victims)
         await a.drain()
         assert a.stats()["remote"]["written_pages"] == before and a.remote.inflight == 0
-        a._unclaim(victims, None)
+        a.moves.unclaim(victims, None)
         a.check_consistency()

@@ -412,20 +412,20 @@ async def test_a_disk_that_refuses_copies_is_retried_each_interval_never_in_a_lo
         assert wt_stats(store)["pending"] == 0 and wt_stats(store)["copies"] > 0
     async with Store.open(wt_config(tmp_path / "held", gpu=16, host=16, disk=64, interval=0.05)
                           ) as store:
-        real, calls = store._obtain, [0]
+        real, calls = store.moves.obtain, [0]
 
         async def no_disk_slot(tier, group, n):        # every disk slot held by open sequences
             if tier == DISK:
                 calls[0] += 1
                 raise OutOfPagesError("disk pool group 0: nothing evictable (test)")
             return await real(tier, group, n)
-        store._obtain = no_disk_slot
+        store.moves.obtain = no_disk_slot
         for base in range(6):
             await fill(store, toks(base, NB))
         t0 = time.monotonic()
         await asyncio.sleep(0.3)
         assert time.monotonic() - t0 < 1.0 and calls[0] <= 12, calls
-        store._obtain = real
+        store.moves.obtain = real
         await asyncio.wait_for(store.drain(), 10)
         assert wt_stats(store)["pending"] == 0
         store.check_consistency()

@@ -56,8 +56,8 @@ async def _move_all(store: Store, pages, dst: int) -> float:
         chunk = pages.slice(i, i + BATCH)
         (g, n), = core.group_counts(chunk, dst)
         slots = core.allocate(dst, g, n)
-        store._claim(chunk, dst)
-        jobs.append(store._move_claimed(chunk, dst, {g: slots}, handoff=False))
+        store.moves.claim(chunk, dst)
+        jobs.append(store.moves.move(chunk, dst, {g: slots}, handoff=False))
     await asyncio.gather(*jobs)
     return time.perf_counter() - t0
 

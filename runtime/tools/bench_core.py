@@ -228,8 +228,8 @@ async def _evict_all(store: Store) -> None:
     core = store.core
     n = core.queue_len(0, 0)
     if n:
-        victims = store._pick_victims(0, 0, n)
-        core.give_back(0, 0, await store._evict(0, victims))
+        victims = store.moves.pick_victims(0, 0, n)
+        core.give_back(0, 0, await store.moves.evict(0, victims))
 
 
 async def concurrency_rows(requests: Sequence[TraceRequest], tiers: Sequence[int], directory: str,
