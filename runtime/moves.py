@@ -218,6 +218,23 @@ class Moves:
         return np.frombuffer(self.core.disk_records(pages), dtype=RECORD)
 
     # -- claims, eviction and moves ------------------------------------------------------------
+    def drop_for(self, n: int) -> bool:
+        """A GPU-only store makes room for ``n`` more blocks by dropping its
+        least recent pages, synchronously (a drop waits for nothing): the
+        common eviction of such a store without a task. False, with nothing
+        dropped, where some group lacks the victims (the slow path reports it)."""
+        core = self.core
+        short = {g: n * k - core.free(GPU, g) for g, k in self.store.lcs_per_gpu_group.items()}
+        short = {g: k for g, k in short.items() if k > 0}
+        if any(core.queue_len(GPU, g) < k for g, k in short.items()):
+            return False
+        for g, k in short.items():
+            victims, _ = core.pick_victims(GPU, g, k, 0)     # no futures: nothing can wait on them
+            claims, freed = core.drop_victims(GPU, victims)
+            self.claims.settle(claims)
+            core.give_back(GPU, g, freed)                    # each with the fence of its last reader
+        return True
+
     def claim(self, pages: Pages, to_tier: int, propagate: bool = True) -> None:
         """Mark pages as moving: one claim per batch the move will run
         (source tier and group, destination group); waiters on a promotion
@@ -276,7 +293,7 @@ class Moves:
 
     async def _obtain_first(self, tier: int, group: int, n: int, reclaimer: Reclaimer | None,
                             line: collections.deque[_InLine]) -> list[int]:
-        """_obtain for the head of the line."""
+        """``obtain`` for the head of the line."""
         core = self.core
         key = (tier, group)
         got = core.allocate(tier, group, min(n, core.free(tier, group)))

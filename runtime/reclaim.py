@@ -16,7 +16,7 @@ hand-off (a spill to disk three fdatasyncs), which a 1 % reserve of 4 KiB
 pages (40 pages, 160 KiB) does not amortise. A free slot holds no page, so
 the step is also capped at STEP_SHARE of the whole store (see Store._start_reclaimers).
 Every demotion batch of a group with a reserve, on demand too, takes at least
-one step (Store._pick_victims).
+one step (Moves.pick_victims).
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class Reclaimer:
         key = (tier, group)
         refilling = store.moves.refilling
         while core.free(tier, group) + refilling.get(key, 0) < self.high and not store.closed:
-            # at most what the next tier can make room for in one batch (Store._line_batch)
+            # at most what the next tier can make room for in one batch (Moves.line_batch)
             want = min(self.high - core.free(tier, group) - refilling.get(key, 0),
                        store.moves.line_batch[tier], core.queue_len(tier, group))
             if want <= 0:

@@ -1,19 +1,30 @@
-"""A sequence: one request's view of the store (its blocks and their pages)."""
+"""A sequence: one request's view of the store (its blocks and their pages), and its
+operations: extend, acquire, prefetch, commit, release and close, each one call into the
+native core, with the moves it needs through ``store.moves`` and cancellation that leaks
+nothing (``_run_exclusive``)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Sequence as Seq
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence as Seq
 
-from tiers.errors import StoreClosedError, UsageError
-
-from .views import PageView, page_rows
 import numpy as np
+import torch
 
+from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
+from tiers.streams import CudaEvent
+
+from .core import COMMIT_PAST_BLOCKS, CoreError, Pages
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array
+from .loop import start_eagerly
+from .pages import GPU
 from .readiness import wait_events
+from .views import PageView, page_rows
 
 if TYPE_CHECKING:
     from .store import Store
+
+log = logging.getLogger("kvtier")
 
 
 # A call on a sequence this long yields to the event loop once before its core call (which
@@ -90,7 +101,7 @@ class Sequence:
         if self.closed or store.closed:
             self._check_open()
         if stream is not None:
-            store._check_stream(stream)
+            _check_stream(store, stream)
         return store
 
     @property
@@ -142,12 +153,12 @@ class Sequence:
         self._check_open()
         if self.busy:
             raise UsageError("another acquire or extend of this sequence is running")
-        fences = self.store._extend_now(self, num_blocks)
+        fences = self._extend_now(num_blocks)
         if fences is not None:
             if fences:
                 await wait_events(fences)   # a cancelled wait leaves the pages placed and owned: no leak
             return
-        await self.store._run_exclusive(self, self.store._extend(self, num_blocks), self.store._undo_extend)
+        await self._run_exclusive(self._extend(num_blocks), self._undo_extend)
 
     async def acquire(self, stream=None) -> None:
         """Bring every page the next step needs to the GPU, locked and ready.
@@ -162,9 +173,9 @@ class Sequence:
         if done < 0:
             raise UsageError("sequence is already acquired")
         if not done:
-            await store._run_exclusive(self, store._acquire(self), store._undo_acquire)
+            await self._run_exclusive(self._acquire(), self._undo_acquire)
         if stream is not None or store.cuda:
-            store._stream_wait(self, stream)    # on CUDA, the current stream when none is given
+            self._stream_wait(stream)           # on CUDA, the current stream when none is given
 
     def prefetch(self) -> None:
         """Start bringing the pages the next ``acquire`` needs to the GPU in
@@ -172,24 +183,24 @@ class Sequence:
         queued, and its ``acquire`` later finds the pages there (or waits for
         the move already under way instead of starting one)."""
         self._check_open()
-        self.store._prefetch(self)
+        self._prefetch()
 
     def page_indices(self, layer_id: int) -> list[int]:
         """GPU slot per block for ``layer_id``'s pools (-1: no GPU page)."""
         self._check_open()
-        return self.store.core.page_indices(self.sid, self.store._lc_of_layer(layer_id))
+        return self.store.core.page_indices(self.sid, self.store.lc_of_layer(layer_id))
 
     def locked_indices(self, layer_id: int) -> list[int]:
         """GPU slot per block of the pages this sequence's acquire locked for
         ``layer_id`` (-1 elsewhere): the pages that hold still until release."""
         self._check_open()
-        return self.store.core.locked_slots(self.sid, self.store._lc_of_layer(layer_id))
+        return self.store.core.locked_slots(self.sid, self.store.lc_of_layer(layer_id))
 
     def recompute_blocks(self, layer_id: int) -> list[int]:
         """Blocks whose pages for ``layer_id`` hold no cached data (an
         ``OPTIONAL`` page that was not present): the caller recomputes them."""
         self._check_open()
-        return self.store.core.recompute_blocks(self.sid, self.store._lc_of_layer(layer_id))
+        return self.store.core.recompute_blocks(self.sid, self.store.lc_of_layer(layer_id))
 
     def commit(self, num_blocks: int) -> None:
         """Publish the first ``num_blocks`` full blocks for reuse."""
@@ -200,7 +211,7 @@ class Sequence:
             raise UsageError("commit while an acquire or extend of this sequence is still running")
         bad = store.core.commit(self.sid, min(num_blocks, 1 << 40))    # (any count that large is past the end)
         if bad != -1:
-            store._commit_refused(self, num_blocks, bad)
+            self._commit_refused(num_blocks, bad)
         if store.disk is not None:
             store.moves.sync()
 
@@ -224,7 +235,7 @@ class Sequence:
         if stream is None and not store.cuda:
             store.core.release(self.sid, 0)         # nothing to fence the pages with
         else:
-            store._release(self, stream)
+            self._release_fenced(stream)
 
     async def close(self) -> None:
         """Committed pages become DROPPABLE; the others are freed. Waits for a
@@ -239,7 +250,7 @@ class Sequence:
         if self.busy:
             await self._settle()
         if not self.closed:
-            self.store._close_sequence(self)
+            self._close_now()
         if len(self.keys) >= LONG_BLOCKS:
             await asyncio.sleep(0)
 
@@ -249,3 +260,230 @@ class Sequence:
     async def __aexit__(self, *exc) -> None:
         if not self.closed and not self.store.closed:
             await self.close()
+
+
+    # -- the operations' work ------------------------------------------------------------------
+    async def _run_exclusive(self, coro: Coroutine, undo: Callable[[Any], None]) -> None:
+        """Run an acquire's or extend's slow path so that a cancelled caller leaks nothing: it
+        runs to its end in a task of the store's, and ``undo`` (with its result) takes back what
+        it did if its caller is gone."""
+        if self.busy:
+            coro.close()
+            raise UsageError("another acquire or extend of this sequence is running")
+        self.busy = True
+        try:
+            # most finish without waiting (pages promoted from host memory by an inline copy, free
+            # slots): run them here; a task (which a cancelled caller leaves running) only from the
+            # first wait on, where a cancellation could come
+            done, task = start_eagerly(coro, self.store.loop)
+        except BaseException:
+            self.busy = False
+            raise
+        if done:
+            self.busy = False
+            return
+        self.task = task
+        self.store.moves.track(task)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():         # it finished just as its caller was cancelled: the caller sees no effect
+                self.busy = False
+                if not task.cancelled() and task.exception() is None and not self.closed:
+                    undo(task.result())
+                raise
+
+            def _after(t: asyncio.Task) -> None:
+                self.busy = False
+                if not t.cancelled() and t.exception() is None and not self.closed:
+                    undo(t.result())
+            task.add_done_callback(_after)
+            raise
+        except BaseException:
+            self.busy = False
+            raise
+        self.busy = False
+
+    def _extend_now(self, n: int) -> list | None:
+        """The common case, without a task: every GPU group has the free
+        slots. Returns the fences to wait for, or None to take the slow path.
+        (The caller checked that the sequence and the store are open.)"""
+        store = self.store
+        if n > store.max_extend:
+            _extend_counts(store, n)            # raises, naming the group
+        core = store.core
+        fences = core.extend_now(self.sid, n)
+        if fences is None and store.last_tier == GPU and store.moves.drop_for(n):
+            fences = core.extend_now(self.sid, n)
+        for per_block, reclaimer in store.gpu_reclaimers:   # wake below the reserve (counting what is still needed)
+            reclaimer.kick_after(0 if fences is not None else n * per_block)
+        return fences and store.events.all(fences)
+
+    async def _extend(self, n: int) -> int:
+        store = self.store
+        store.check_open()
+        if n == 0:
+            return 0
+        slots = await store.moves.obtain_many(GPU, _extend_counts(store, n))
+        await wait_events(store.events.all(store.core.place_extension(self.sid, n, slots)))
+        return n
+
+    def _undo_extend(self, n: int) -> None:
+        self.store.core.undo_extend(self.sid, n)
+        self.store.moves.sync()
+
+    async def _acquire(self) -> Pages:
+        store = self.store
+        store.check_open()
+        if self.acquired:
+            raise UsageError("sequence is already acquired")
+        core, moves = store.core, store.moves
+        while True:       # every await may change pages: re-check until a pass needs none
+            holes, claims = core.acquire_scan(self.sid)
+            if holes:
+                await self._fill_holes(holes)
+                continue
+            if claims:
+                waits = store.claims.pending(claims)
+                if not waits:
+                    raise CoreError(f"pages claimed by settled operations {claims}")
+                await asyncio.wait(waits)
+                for f in waits:
+                    exc = None if f.cancelled() else f.exception()
+                    if exc is not None and f.to_gpu and not isinstance(exc, CorruptPageError):
+                        raise exc
+                continue
+            pages = core.lock_needed(self.sid)
+            try:
+                cold = core.cold_pages(pages)
+                if cold:
+                    moves.claim(cold, GPU)
+                    try:
+                        slots = await moves.obtain_many(GPU, core.group_counts(cold, GPU))
+                    except BaseException as exc:
+                        moves.unclaim(cold, exc)
+                        raise
+                    await moves.move(cold, GPU, slots, handoff=False)
+            except CorruptPageError:
+                # The bad pages were dropped (with the rest of their prefix where it is critical): the
+                # next pass finds their blocks empty and gives them fresh pages to recompute.
+                core.unlock(pages)
+                moves.sync()
+                continue
+            except BaseException:
+                core.unlock(pages)
+                moves.sync()
+                raise
+            break
+        core.finish_acquire(self.sid, pages)
+        return pages
+
+    def _prefetch(self) -> asyncio.Task | None:
+        """Start promoting the cold pages the next acquire needs, unlocked.
+        A failure only logs: the acquire that follows does the work itself."""
+        store = self.store
+        store.check_open()
+        core, moves = store.core, store.moves
+        pages = core.prefetch_pages(self.sid)
+        if not pages:
+            return None
+        moves.claim(pages, GPU, propagate=False)
+
+        async def promote() -> None:
+            try:
+                slots = await moves.obtain_many(GPU, core.group_counts(pages, GPU))
+            except BaseException as exc:
+                moves.unclaim(pages, None)
+                if not isinstance(exc, (OutOfPagesError, asyncio.CancelledError)):
+                    log.warning("prefetch failed: %r", exc)
+                return
+            try:
+                await moves.move(pages, GPU, slots, handoff=False)
+            except (OSError, KvtierError) as exc:
+                log.warning("prefetch failed: %r", exc)
+        return moves.spawn(promote())
+
+    async def _fill_holes(self, holes: list[int]) -> None:
+        """New (empty) GPU pages for needed pages that no tier holds; the
+        caller recomputes them (``recompute_blocks``)."""
+        store = self.store
+        counts: dict[int, int] = {}
+        gpu_group = store.group_of[GPU]
+        for lc in holes[1::2]:
+            g = gpu_group[lc]
+            counts[g] = counts.get(g, 0) + 1
+        slots = await store.moves.obtain_many(GPU, counts)
+        await wait_events(store.events.all(store.core.fill_holes(self.sid, holes, slots)))
+
+    def _undo_acquire(self, pages: Pages) -> None:
+        self.store.core.undo_acquire(self.sid, pages)
+        self.store.moves.sync()
+
+    def _release_fenced(self, stream=None) -> None:
+        """Unlock exactly the pages this sequence locked (others may share them), fenced by
+        the caller's stream (``release`` unlocks unfenced itself when there is none)."""
+        if self.closed:                             # its id may be another sequence's now
+            return
+        if not self.acquired:
+            return
+        store = self.store
+        ev = _stream_event(_caller_stream(store, stream))
+        store.core.release(self.sid, store.events.id(ev))
+
+    def _stream_wait(self, stream) -> None:
+        store = self.store
+        stream = _caller_stream(store, stream)
+        if stream is None:
+            return
+        for ev in store.events.all(store.core.ready_events(self.sid)):
+            if isinstance(ev, CudaEvent):
+                stream.wait_event(ev._event)
+
+    def _commit_refused(self, n: int, code: int) -> None:
+        """The UsageError for a commit the core refused (``code``: its answer; nothing changed)."""
+        if code >= 0:
+            raise UsageError(f"block key {self.keys[code]!r} at position {code} is already indexed at "
+                             "another position")
+        if code == COMMIT_PAST_BLOCKS:
+            raise UsageError(f"cannot commit {n} blocks: only {self.store.core.num_blocks(self.sid)} have pages")
+        raise UsageError(f"cannot commit {n} blocks: only {len(self.keys)} have keys (append the tokens first)")
+
+    def _close_now(self) -> None:
+        store = self.store
+        if store.cuda:
+            self._release_fenced()      # the caller's current stream fences what it locked
+        self.final_committed = store.core.close(self.sid)   # (it releases what is still locked, unfenced)
+        self.closed = True
+        if store.disk is not None:
+            store.moves.sync()
+
+
+def _extend_counts(store: "Store", n: int) -> dict[int, int]:
+    """Pages per GPU group that ``n`` more blocks take (a UsageError where a group is too small)."""
+    counts = {g: n * k for g, k in store.lcs_per_gpu_group.items()}
+    for g, c in counts.items():
+        cap = store.core.capacity(GPU, g)
+        if c > cap:
+            raise UsageError(f"extending by {n} blocks needs {c} pages of GPU pool group {g}, which holds {cap}")
+    return counts
+
+
+def _check_stream(store: "Store", stream) -> None:
+    """A caller's stream must be a CUDA stream on a CUDA store (checked before anything changes)."""
+    if not store.device.is_cuda:
+        raise UsageError("stream= needs a CUDA device; this store's GPU tier is emulated in host memory")
+    if not isinstance(stream, torch.cuda.Stream):
+        raise UsageError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
+
+
+def _caller_stream(store: "Store", stream):
+    """The stream a caller's kernels use: the one given, else (on CUDA)
+    the current one, so pages are fenced by the caller's work either way."""
+    if stream is None and store.device.is_cuda:
+        return torch.cuda.current_stream(store.device.torch_device)
+    return stream
+
+
+def _stream_event(stream) -> CudaEvent | None:
+    """An event recorded on a caller's CUDA stream (None for no stream)."""
+    return None if stream is None else CudaEvent.on(stream)

@@ -21,29 +21,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable, Coroutine, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
-import torch
 
 from tiers.config import StoreConfig
 from tiers.device import Device, host_available_bytes
-from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
+from tiers.errors import StoreClosedError, UsageError
 from tiers.grouping import Layout
 from tiers.native import keep_gil_below
 from tiers.pools import SlabPool
 from tiers.policy import ReusePolicy
-from tiers.streams import CudaEvent
 
-from .core import COMMIT_PAST_BLOCKS, Core, CoreError, Pages
+from .core import Core, CoreError
 from .events import KvEvents
 from .handles import ClaimTable, EventTable
 from .keys import BlockKey, check_block_keys, hash_blocks, token_array_async
-from .loop import short_switch_interval, start_eagerly
+from .loop import short_switch_interval
 from .moves import Moves
 from .migration import MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
-from .readiness import wait_events
 from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
 from .recovery import index_recovered, persist
 from .remote import RemoteLink
@@ -328,7 +325,8 @@ class Store:
         if self.disk is not None:
             self.disk.close()
 
-    def _check(self) -> None:
+    def check_open(self) -> None:
+        """Raise unless the store has started and is not closed."""
         if self.closed:
             raise StoreClosedError("store is closed")
         if not self.started:
@@ -337,8 +335,8 @@ class Store:
     # -- public queries -------------------------------------------------------------------
     def pool_tensor(self, layer_id: int, role: str):
         """The GPU pool ``[slots, bytes]`` a kernel indexes by ``page_indices``."""
-        self._check()
-        lc = self._lc_of_layer(layer_id)
+        self.check_open()
+        lc = self.lc_of_layer(layer_id)
         try:
             pool = self.pool_index[(layer_id, role)]
         except KeyError:
@@ -351,26 +349,18 @@ class Store:
             raise UsageError(f"unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})")
         return self.layout.group_map(tier)
 
-    def _lc_of_layer(self, layer_id: int) -> int:
+    def lc_of_layer(self, layer_id: int) -> int:
+        """The life cycle index of ``layer_id`` (a UsageError names an unknown layer)."""
         try:
             return self.layer_lc[layer_id]
         except (KeyError, TypeError):
             raise UsageError(f"unknown layer id {layer_id!r}") from None
 
-    def _check_stream(self, stream) -> None:
-        """A caller's stream must be a CUDA stream on a CUDA store (checked before anything changes)."""
-        if stream is None:
-            return
-        if not self.device.is_cuda:
-            raise UsageError("stream= needs a CUDA device; this store's GPU tier is emulated in host memory")
-        if not isinstance(stream, torch.cuda.Stream):
-            raise UsageError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
-
     # -- sequences -------------------------------------------------------------------------
     async def open_sequence(self, tokens: Seq[int] | None = None, block_keys: Seq[BlockKey] | None = None,
                             priority: int | None = None) -> Sequence:
         if self.closed or not self.started or self._closing is not None:
-            self._check()
+            self.check_open()
             raise StoreClosedError("store is closing")
         if (tokens is None) == (block_keys is None):
             raise UsageError("pass exactly one of tokens= or block_keys=")
@@ -391,7 +381,7 @@ class Store:
                 keys = hash_blocks(token_arr, self.tpb, self.cfg.hash_salt)
             else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
                 keys = await self.loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
-            self._check()                   # the store may have closed meanwhile
+            self.check_open()                   # the store may have closed meanwhile
             sid, matched, by_tier = core.open(keys, priority)
             self._keep_tokens(sid, token_arr, len(keys))
         else:
@@ -448,230 +438,13 @@ class Store:
                 task.add_done_callback(_close_seq)
             raise
         try:
-            self._check()               # the store may have closed meanwhile
+            self.check_open()               # the store may have closed meanwhile
         except BaseException:
             self.core.close(sid)
             raise
         return out
 
-    # -- running sequence operations so that cancellation leaks nothing ----------------------
-    async def _run_exclusive(self, seq: Sequence, coro: Coroutine, undo: Callable[[Sequence, Any], None]) -> None:
-        if seq.busy:
-            coro.close()
-            raise UsageError("another acquire or extend of this sequence is running")
-        seq.busy = True
-        try:
-            # most finish without waiting (pages promoted from host memory by an inline copy, free
-            # slots): run them here; a task (which a cancelled caller leaves running) only from the
-            # first wait on, where a cancellation could come
-            done, task = start_eagerly(coro, self.loop)
-        except BaseException:
-            seq.busy = False
-            raise
-        if done:
-            seq.busy = False
-            return
-        seq.task = task
-        self.moves.track(task)
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():         # it finished just as its caller was cancelled: the caller sees no effect
-                seq.busy = False
-                if not task.cancelled() and task.exception() is None and not seq.closed:
-                    undo(seq, task.result())
-                raise
-
-            def _after(t: asyncio.Task) -> None:
-                seq.busy = False
-                if not t.cancelled() and t.exception() is None and not seq.closed:
-                    undo(seq, t.result())
-            task.add_done_callback(_after)
-            raise
-        except BaseException:
-            seq.busy = False
-            raise
-        seq.busy = False
-
-    # -- extend ------------------------------------------------------------------------------
-    def _extend_counts(self, n: int) -> dict[int, int]:
-        counts = {g: n * k for g, k in self.lcs_per_gpu_group.items()}
-        for g, c in counts.items():
-            cap = self.core.capacity(GPU, g)
-            if c > cap:
-                raise UsageError(f"extending by {n} blocks needs {c} pages of GPU pool group {g}, which holds {cap}")
-        return counts
-
-    def _extend_now(self, seq: Sequence, n: int) -> list | None:
-        """The common case, without a task: every GPU group has the free
-        slots. Returns the fences to wait for, or None to take the slow path.
-        (The sequence checked that it and the store are open.)"""
-        if n > self.max_extend:
-            self._extend_counts(n)              # raises, naming the group
-        core = self.core
-        fences = core.extend_now(seq.sid, n)
-        if fences is None and self.last_tier == GPU and self._drop_for(n):
-            fences = core.extend_now(seq.sid, n)
-        for per_block, reclaimer in self.gpu_reclaimers:    # wake below the reserve (counting what is still needed)
-            reclaimer.kick_after(0 if fences is not None else n * per_block)
-        return fences and self.events.all(fences)
-
-    def _drop_for(self, n: int) -> bool:
-        """A GPU-only store makes room for ``n`` more blocks by dropping its
-        least recent pages, synchronously (a drop waits for nothing): the
-        common eviction of such a store without a task. False, with nothing
-        dropped, where some group lacks the victims (the slow path reports it)."""
-        core = self.core
-        short = {g: n * k - core.free(GPU, g) for g, k in self.lcs_per_gpu_group.items()}
-        short = {g: k for g, k in short.items() if k > 0}
-        if any(core.queue_len(GPU, g) < k for g, k in short.items()):
-            return False
-        for g, k in short.items():
-            victims, _ = core.pick_victims(GPU, g, k, 0)     # no futures: nothing can wait on them
-            claims, freed = core.drop_victims(GPU, victims)
-            self.claims.settle(claims)
-            core.give_back(GPU, g, freed)                    # each with the fence of its last reader
-        return True
-
-    async def _extend(self, seq: Sequence, n: int) -> int:
-        self._check()
-        if n == 0:
-            return 0
-        slots = await self.moves.obtain_many(GPU, self._extend_counts(n))
-        await wait_events(self.events.all(self.core.place_extension(seq.sid, n, slots)))
-        return n
-
-    def _undo_extend(self, seq: Sequence, n: int) -> None:
-        self.core.undo_extend(seq.sid, n)
-        self.moves.sync()
-
-    # -- acquire / release -------------------------------------------------------------------
-    async def _acquire(self, seq: Sequence) -> Pages:
-        self._check()
-        if seq.acquired:
-            raise UsageError("sequence is already acquired")
-        core = self.core
-        while True:       # every await may change pages: re-check until a pass needs none
-            holes, claims = core.acquire_scan(seq.sid)
-            if holes:
-                await self._fill_holes(seq, holes)
-                continue
-            if claims:
-                waits = self.claims.pending(claims)
-                if not waits:
-                    raise CoreError(f"pages claimed by settled operations {claims}")
-                await asyncio.wait(waits)
-                for f in waits:
-                    exc = None if f.cancelled() else f.exception()
-                    if exc is not None and f.to_gpu and not isinstance(exc, CorruptPageError):
-                        raise exc
-                continue
-            pages = core.lock_needed(seq.sid)
-            try:
-                cold = core.cold_pages(pages)
-                if cold:
-                    self.moves.claim(cold, GPU)
-                    try:
-                        slots = await self.moves.obtain_many(GPU, core.group_counts(cold, GPU))
-                    except BaseException as exc:
-                        self.moves.unclaim(cold, exc)
-                        raise
-                    await self.moves.move(cold, GPU, slots, handoff=False)
-            except CorruptPageError:
-                # The bad pages were dropped (with the rest of their prefix where it is critical): the
-                # next pass finds their blocks empty and gives them fresh pages to recompute.
-                core.unlock(pages)
-                self.moves.sync()
-                continue
-            except BaseException:
-                core.unlock(pages)
-                self.moves.sync()
-                raise
-            break
-        core.finish_acquire(seq.sid, pages)
-        return pages
-
-    def _prefetch(self, seq: Sequence) -> asyncio.Task | None:
-        """Start promoting the cold pages the next acquire needs, unlocked.
-        A failure only logs: the acquire that follows does the work itself."""
-        self._check()
-        pages = self.core.prefetch_pages(seq.sid)
-        if not pages:
-            return None
-        self.moves.claim(pages, GPU, propagate=False)
-
-        async def promote() -> None:
-            try:
-                slots = await self.moves.obtain_many(GPU, self.core.group_counts(pages, GPU))
-            except BaseException as exc:
-                self.moves.unclaim(pages, None)
-                if not isinstance(exc, (OutOfPagesError, asyncio.CancelledError)):
-                    log.warning("prefetch failed: %r", exc)
-                return
-            try:
-                await self.moves.move(pages, GPU, slots, handoff=False)
-            except (OSError, KvtierError) as exc:
-                log.warning("prefetch failed: %r", exc)
-        return self.moves.spawn(promote())
-
-    async def _fill_holes(self, seq: Sequence, holes: list[int]) -> None:
-        """New (empty) GPU pages for needed pages that no tier holds; the
-        caller recomputes them (``recompute_blocks``)."""
-        counts: dict[int, int] = {}
-        gpu_group = self.group_of[GPU]
-        for lc in holes[1::2]:
-            g = gpu_group[lc]
-            counts[g] = counts.get(g, 0) + 1
-        slots = await self.moves.obtain_many(GPU, counts)
-        await wait_events(self.events.all(self.core.fill_holes(seq.sid, holes, slots)))
-
-    def _undo_acquire(self, seq: Sequence, pages: Pages) -> None:
-        self.core.undo_acquire(seq.sid, pages)
-        self.moves.sync()
-
-    def _release(self, seq: Sequence, stream=None) -> None:
-        """Unlock exactly the pages this sequence locked (others may share them), fenced by
-        the caller's stream (the Sequence releases unfenced itself when there is none)."""
-        if seq.closed:                              # its id may be another sequence's now
-            return
-        if not seq.acquired:
-            return
-        ev = stream_event(self._caller_stream(stream))
-        self.core.release(seq.sid, self.events.id(ev))
-
-    def _caller_stream(self, stream):
-        """The stream a caller's kernels use: the one given, else (on CUDA)
-        the current one, so pages are fenced by the caller's work either way."""
-        if stream is None and self.device.is_cuda:
-            return torch.cuda.current_stream(self.device.torch_device)
-        return stream
-
-    def _stream_wait(self, seq: Sequence, stream) -> None:
-        stream = self._caller_stream(stream)
-        if stream is None:
-            return
-        for ev in self.events.all(self.core.ready_events(seq.sid)):
-            if isinstance(ev, CudaEvent):
-                stream.wait_event(ev._event)
-
-    # -- commit / close ------------------------------------------------------------------------
-    def _commit_refused(self, seq: Sequence, n: int, code: int) -> None:
-        """The UsageError for a commit the core refused (``code``: its answer; nothing changed)."""
-        if code >= 0:
-            raise UsageError(f"block key {seq.keys[code]!r} at position {code} is already indexed at "
-                             "another position")
-        if code == COMMIT_PAST_BLOCKS:
-            raise UsageError(f"cannot commit {n} blocks: only {self.core.num_blocks(seq.sid)} have pages")
-        raise UsageError(f"cannot commit {n} blocks: only {len(seq.keys)} have keys (append the tokens first)")
-
-    def _close_sequence(self, seq: Sequence) -> None:
-        if self.cuda:
-            self._release(seq)          # the caller's current stream fences what it locked
-        seq.final_committed = self.core.close(seq.sid)      # (it releases what is still locked, unfenced)
-        seq.closed = True
-        if self.disk is not None:
-            self.moves.sync()
-
+    # -- tools ----------------------------------------------------------------------------------
     def _drop(self, page) -> None:
         """Drop a published page (a ``PageView``) as the last tier's eviction
         would, its subtree too when it is prefix-critical (tests and tools)."""
@@ -680,7 +453,7 @@ class Store:
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        self._check()
+        self.check_open()
         core = self.core
         counters = core.counters()
         states = core.state_counts()
@@ -733,13 +506,13 @@ class Store:
         first call on). Needs ``[events]`` in the config. After close it still
         returns the last batches (persisting's moves)."""
         if not self.started:
-            self._check()
+            self.check_open()
         return self._kv().take()
 
     def event_batches(self):
         """``async for batch in store.event_batches()``: batches as they are made,
         until the store closes. One reader: two iterators would share the batches."""
-        self._check()
+        self.check_open()
         return self._kv().batches()
 
     def _kv(self) -> KvEvents:
@@ -774,7 +547,3 @@ class Store:
         except CoreError as exc:
             raise AssertionError(str(exc)) from None
 
-
-def stream_event(stream) -> CudaEvent | None:
-    """An event recorded on a caller's CUDA stream (None for no stream)."""
-    return None if stream is None else CudaEvent.on(stream)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runtime import OutOfPagesError, Store, StoreClosedError, migration
+from runtime.sequence import Sequence
 
 from helpers import DEVICE, config, expected_block, fill, fill_and_hold_writer, half_inline_layers, read_block, toks
 
@@ -189,7 +190,7 @@ async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequen
         await store.drain()
         seq = await store.open_sequence(tokens=toks(1, 4))
         others = []
-        close_now = store._close_sequence
+        close_now = Sequence._close_now
 
         def close_then_reuse(q):          # another request takes the id right after the close
             close_now(q)
@@ -197,7 +198,7 @@ async def test_a_release_waiting_out_a_cancelled_acquire_does_not_touch_a_sequen
                 other = _run_now(store.open_sequence(tokens=toks(1, 4)))
                 _run_now(other.acquire())
                 others.append(other)
-        monkeypatch.setattr(store, "_close_sequence", close_then_reuse)
+        monkeypatch.setattr(Sequence, "_close_now", close_then_reuse)
         gate = threading.Event()
         store.engine.io_read.submit(gate.wait)          # the promotion from disk waits
         try:
@@ -321,7 +322,7 @@ async def test_a_move_cancelled_while_its_copy_is_queued_hands_its_slots_on_only
         gate = threading.Event()
         store.engine.up.submit(gate.wait)                   # the copy thread is held
         try:
-            moving = asyncio.ensure_future(store._acquire(a))     # its copy queues behind the gate
+            moving = asyncio.ensure_future(a._acquire())     # its copy queues behind the gate
             await asyncio.sleep(0.05)
             moving.cancel()
             acquiring = asyncio.ensure_future(b.acquire())
