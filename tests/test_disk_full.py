@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
 import torch
 
 from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, Store, StoreConfig

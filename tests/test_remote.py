@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time

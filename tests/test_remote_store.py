@@ -15,7 +15,7 @@ from runtime.tools.redis_servers import REDIS_SERVER, RedisServer
 from tiers.errors import ConfigError
 from tiers.remote import RemoteSettings
 
-from helpers import config, expected_block, fill, read_block, write_blocks
+from helpers import config, expected_block, fill, read_block
 
 pytest.importorskip("redis")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server (apt-get install redis-server)")
