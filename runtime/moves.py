@@ -1,10 +1,10 @@
 """The store's page moves: claims, slots obtained with eviction, the demotion cascade, batch
 moves through the migration engine, and the disk work the core asks for.
 
-``Store`` (``runtime/store.py``) keeps the request API; what runs moves (the store's acquires
-and extends, background demotion in ``reclaim.py``, recovery and persisting in ``recovery.py``,
-write-through, the remote tier's imports) calls this module's public methods through
-``store.moves``. It also counts the store's tasks: close and drain wait for them.
+``Store`` (``runtime/store.py``) keeps the request API; what runs moves (a sequence's
+acquires, prefetches and extends in ``sequence.py``, background demotion in ``reclaim.py``,
+recovery and persisting in ``recovery.py``, write-through, the remote tier's imports) calls
+this module's public methods through ``store.moves``. It also counts the store's tasks: close and drain wait for them.
 
 Rules the code keeps:
 - after every core call that can free disk slots or publish disk pages, ``sync`` submits them
@@ -310,7 +310,7 @@ class Moves:
                 else:
                     # evicting on demand: for the requests behind in line too, and to refill the
                     # background reserve, less what demotions in flight will give back. The
-                    # extra is capped (_line_batch): a batch larger than the next tier can make
+                    # extra is capped (line_batch): a batch larger than the next tier can make
                     # room for would skip that tier whole, dropping newer pages where a smaller
                     # batch would have pushed out the next tier's oldest
                     behind = sum(w.need for w in line) - n
@@ -473,7 +473,7 @@ class Moves:
                         "room again; %d spill(s) refused so far", exc, self.disk_full_events)
 
     async def move(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
-                            handoff: bool) -> list[int]:
+                   handoff: bool) -> list[int]:
         """Move claimed pages into ``slots`` (per destination group). Batches
         run concurrently, one per (source tier, source group, destination
         group). With ``handoff`` the source slots are returned to the caller

@@ -35,9 +35,10 @@ LONG_BLOCKS = 1024
 
 
 class Sequence:
-    """Returned by ``Store.open_sequence``. Methods mirror DESIGN.md §3; the
-    store does the work. The sequence's blocks and pages live in the native
-    core under ``sid``; this object holds its keys and asyncio state."""
+    """Returned by ``Store.open_sequence``. Methods mirror DESIGN.md §3 and do
+    their work through the native core and ``store.moves``. The sequence's blocks
+    and pages live in the core under ``sid``; this object holds its keys and
+    asyncio state."""
 
     __slots__ = ("store", "sid", "keys", "tail", "num_tokens", "priority", "matched_blocks", "_by_tier", "_remote",
                  "closed", "busy", "task", "final_committed")
@@ -260,7 +261,6 @@ class Sequence:
     async def __aexit__(self, *exc) -> None:
         if not self.closed and not self.store.closed:
             await self.close()
-
 
     # -- the operations' work ------------------------------------------------------------------
     async def _run_exclusive(self, coro: Coroutine, undo: Callable[[Any], None]) -> None:

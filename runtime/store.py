@@ -2,13 +2,14 @@
 
 The page table, prefix index, slot allocators, LRU queues and every decision
 over them live in the native core (``runtime.core``), called once per request
-operation or migration batch. This module owns the store's life (start, close,
-drain), sequences and their operations (open, extend, acquire, commit, release,
-close) with cancellation, and stats. What moves pages - claims, slots obtained
+operation or migration batch. This module keeps the store's life (start, close,
+drain), ``open_sequence``, queries and stats. A sequence's operations (extend,
+acquire, prefetch, commit, release, close) and the cancellation that leaks
+nothing are ``runtime/sequence.py``'s. What moves pages - claims, slots obtained
 with eviction, the demotion cascade, batch moves through the migration engine,
 the disk work the core asks for - is ``runtime/moves.py``, reached as
-``store.moves`` by this module and by background demotion, recovery,
-write-through and the remote tier.
+``store.moves`` by sequences, background demotion, recovery, write-through and
+the remote tier.
 
 Rules the code keeps:
 - after every core call that can free disk slots or publish disk pages,

@@ -137,7 +137,8 @@ class WriteThrough:
         src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
         fences = store.events.all(core.slot_fences(DISK, group, slots))
         store.moves.sync()
-        job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)), lambda: store.moves.records(batch))
+        job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)),
+                    lambda: store.moves.records(batch))
         try:
             ev = await store.engine.run(job, DISK, group, slots, fences, record=False)
         except BaseException as exc:        # as a failed move: the slots go back, the claims end
