@@ -8,9 +8,9 @@ counters, free counts and queue lengths must agree; after every step of a
 state machine, everything the API shows does (state counts, check(), the
 pages owning each slot and their records, the sequences' rows, the index).
 
-A ``Driver`` performs the store's multi-call operations on a pair the way
-the asyncio side (runtime/sequence.py, runtime/moves.py) drives the core: extend (allocate, or evict: pick victims,
-then demote them a tier down, cascading, or drop them in the last tier),
+A ``Driver`` performs the store's multi-call operations on a pair the way the
+asyncio side (runtime/sequence.py, runtime/moves.py) drives the core: extend
+(allocate, or evict: pick victims, then demote them a tier down, cascading, or drop them in the last tier),
 acquire (fast path, else scan / fill holes / wait for claims / lock / promote
 cold pages / finish, or give up and unlock), release, commit, close,
 prefetch, background demotion, persisting to disk, restarting from the disk's
