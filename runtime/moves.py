@@ -18,6 +18,7 @@ import asyncio
 import collections
 import logging
 import threading
+from operator import attrgetter
 from typing import TYPE_CHECKING, Coroutine
 
 import numpy as np
@@ -75,8 +76,7 @@ class _InLine:
 
 class Moves:
     """The moves of one store (see the module docstring). The parts it moves pages between
-    (core, engine, disk, remote tier) are the store's, read through it: they exist once the
-    store has started."""
+    (core, engine, disk, remote tier) are the store's."""
 
     def __init__(self, store: "Store") -> None:
         self.store = store
@@ -95,50 +95,18 @@ class Moves:
         self.behind_failures = 0           # spills written behind whose write failed (not a full disk)
         self._said: dict[str, float] = {}  # warning kind -> when it was last logged (_once_a_minute)
 
-    # -- the store's parts ----------------------------------------------------------------------
-    @property
-    def core(self):
-        return self.store.core
-
-    @property
-    def engine(self):
-        return self.store.engine
-
-    @property
-    def disk(self):
-        return self.store.disk
-
-    @property
-    def remote(self):
-        return self.store.remote
-
-    @property
-    def write_through(self):
-        return self.store.write_through
-
-    @property
-    def claims(self):
-        return self.store.claims
-
-    @property
-    def events(self):
-        return self.store.events
-
-    @property
-    def reclaimers(self) -> dict[tuple[int, int], Reclaimer]:
-        return self.store.reclaimers
-
-    @property
-    def next_tier(self) -> dict[int, int | None]:
-        return self.store.next_tier
-
-    @property
-    def closed(self) -> bool:
-        return self.store.closed
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self.store.loop
+    # -- the store's parts (read through it: they exist once it has started) ---------------------
+    core = property(attrgetter("store.core"))
+    engine = property(attrgetter("store.engine"))
+    disk = property(attrgetter("store.disk"))
+    remote = property(attrgetter("store.remote"))
+    write_through = property(attrgetter("store.write_through"))
+    claims = property(attrgetter("store.claims"))
+    events = property(attrgetter("store.events"))
+    reclaimers = property(attrgetter("store.reclaimers"))
+    next_tier = property(attrgetter("store.next_tier"))
+    closed = property(attrgetter("store.closed"))
+    loop = property(attrgetter("store.loop"))
 
     # -- tasks -----------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine) -> asyncio.Task:
