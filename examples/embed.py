@@ -1,0 +1,126 @@
+"""kvtier embedded in an async server: the request cycle a model runner goes through.
+
+Multi-turn conversations share a system prompt and grow turn by turn, so each
+turn's prompt starts with the previous turn's. Every request opens a sequence
+on its prompt, acquires the cached prefix onto the GPU tier, extends fresh
+pages for the rest, and plays the model: it checks the bytes of every cached
+page it was handed and writes the pages it "computes" (a pattern derived from
+each block's key, as real KV is a function of the prefix). Then it commits,
+releases and closes. Pages evicted from the GPU tier go to the host tier and
+from there to disk; run it twice on the same disk directory and the second run
+starts from the pages the first left on disk.
+
+    python examples/embed.py                       # examples/small.toml, its disk in examples/disk/
+    python examples/embed.py --disk-dir /tmp/kv    # any directory (made if missing)
+
+Exit status 1 if a cached page came back with wrong bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+
+import torch
+
+import runtime
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def expected_pages(keys: list[bytes], layer: int, role: str, nbytes: int) -> torch.Tensor:
+    """The bytes the "model" computes for these blocks of one layer's buffer: ``[blocks, nbytes]``."""
+    seeds = torch.tensor([int.from_bytes(k[:8], "little") >> 2 for k in keys], dtype=torch.int64)
+    salt = layer * 2 + (role == "v")
+    col = torch.arange(nbytes, dtype=torch.int64)
+    return ((seeds[:, None] * 31 + col[None, :] * (7 + salt) + salt) & 0xFF).to(torch.uint8)
+
+
+class Model:
+    """Stands in for the attention kernels: reads cached pages, writes computed ones."""
+
+    def __init__(self, store: runtime.Store, cfg: runtime.StoreConfig) -> None:
+        self.store = store
+        self.buffers = [(spec.id, role) for spec in cfg.layers for role, _ in spec.buffers]
+        self.checked = 0
+        self.wrong = 0
+        self.written = 0
+
+    def run(self, seq: runtime.Sequence) -> None:
+        """One prefill: the first ``matched_blocks`` blocks were cached, the rest are new."""
+        store = self.store
+        for layer, role in self.buffers:
+            pool = store.pool_tensor(layer, role)                 # [slots, bytes], on the GPU tier's device
+            slots = torch.tensor(seq.page_indices(layer))         # -1: no page (outside a window)
+            cached = torch.zeros(len(slots), dtype=torch.bool)
+            cached[:seq.matched_blocks] = True
+            cached[seq.recompute_blocks(layer)] = False           # cached blocks whose page holds no data
+            want = expected_pages(seq.keys[:len(slots)], layer, role, pool.shape[1]).to(pool.device)
+            read = cached & (slots >= 0)
+            got = pool[slots[read].to(pool.device)]
+            bad = (got != want[read.to(pool.device)]).any(dim=1)
+            self.checked += int(read.sum())
+            self.wrong += int(bad.sum())
+            fill = ~cached & (slots >= 0)
+            pool[slots[fill].to(pool.device)] = want[fill.to(pool.device)]
+            self.written += int(fill.sum())
+
+
+async def conversation(store: runtime.Store, model: Model, rng: random.Random, system: list[int],
+                       turns: int, tally: dict[str, int]) -> None:
+    history = list(system)
+    for turn in range(turns):
+        history += [rng.randrange(32_000) for _ in range(rng.randrange(2_000, 5_000))]
+        seq = await store.open_sequence(tokens=history, priority=35)
+        try:
+            for tier, n in seq.matched_by_tier.items():
+                tally[tier] = tally.get(tier, 0) + n
+            tally["blocks"] = tally.get("blocks", 0) + len(seq.keys)
+            await seq.acquire()                                   # cached prefix on the GPU, locked, ready
+            await seq.extend(len(seq.keys) - seq.num_blocks)      # fresh pages for the rest of the prompt
+            model.run(seq)
+            seq.commit(len(seq.keys))                             # published for later turns and requests
+            await seq.release()
+        finally:
+            await seq.close()
+        history += [rng.randrange(32_000) for _ in range(200)]    # the reply, part of the next turn's prompt
+        await asyncio.sleep(0)
+
+
+async def main(args: argparse.Namespace) -> int:
+    if args.disk_dir is not None:
+        os.makedirs(args.disk_dir, exist_ok=True)
+    cfg = runtime.load_config(args.config, disk_path=args.disk_dir)
+    rng = random.Random(args.seed)
+    system = [rng.randrange(32_000) for _ in range(2_048)]        # a system prompt every conversation shares
+    tally: dict[str, int] = {}
+    async with runtime.Store.open(cfg) as store:
+        model = Model(store, cfg)
+        await asyncio.gather(*(conversation(store, model, random.Random(args.seed * 1000 + c), system, args.turns, tally)
+                               for c in range(args.conversations)))
+        moved = store.stats()["moves"]
+    blocks = tally.pop("blocks", 0)
+    print(f"{args.conversations} conversations x {args.turns} turns: {blocks} blocks requested, "
+          + ", ".join(f"{n} cached on {tier}" for tier, n in tally.items()))
+    print("pages moved: " + ", ".join(f"{d} {m['pages']}" for d, m in sorted(moved.items()) if m["pages"]))
+    print(f"cached buffers checked {model.checked} (a block's k or v of one layer), wrong {model.wrong}; "
+          f"computed {model.written}")
+    if cfg.disk is not None:
+        print(f"disk tier: {cfg.disk.path} (run again to start from the pages left there)")
+    return 1 if model.wrong else 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=os.path.join(HERE, "small.toml"))
+    p.add_argument("--disk-dir", default=None, help="the disk tier's directory instead of the config's")
+    p.add_argument("--conversations", type=int, default=96)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(runtime.run(main(parse_args())))
