@@ -108,6 +108,11 @@ def test_bench_quick_reports_ratios_against_raw_limits(tmp_path):
     assert 0 < meta["value"] < 1000
     assert core["core: loop held by one 4096-block request"]["value"] > 0
     assert next(r for n, r in core.items() if n.startswith("core: reopen a disk tier"))["value"] > 0
+    three, three_floor = core["core: three-tier replay 4096/16384/65536, fsync on"], \
+        core["core: three-tier replay 4096/16384/65536, fsync on: movement floor"]
+    assert three["movement_floor"] == three_floor["value"] > three["value"]
+    assert three_floor["baseline"] == three["baseline"]
+    assert abs(three_floor["store_to_floor"] - three["value"] / three_floor["value"]) < 1e-3
     # the floor moves the store's bytes and nothing more: faster than it. The lean bound bounds a
     # control plane with a Python record per page; the native core's is not one (the quick replay
     # passed it in session 15), so only that it was measured in the same run

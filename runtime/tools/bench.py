@@ -262,16 +262,21 @@ def _best_replay(make, requests, rounds: int = 3) -> tuple:
     return ref, best
 
 
-def movement_seconds(moved: dict, device, directory: str, sample: int = 64 << 20) -> float:
+def movement_seconds(moved: dict, device, directory: str, sample: int = 64 << 20, durable: bool = False) -> float:
     """Seconds the replay's page moves (``Store.stats()["moves"]``) take at
     the raw limits measured now: one large tensor copy for every byte that
     crosses between GPU and host memory, a plain sequential page-cache
-    write and read for every byte spilled and recalled. No store can replay
-    the trace faster than ``blocks / this``, bookkeeping aside."""
+    write and read for every byte spilled and recalled (``durable``: the
+    write's best with fdatasync, buffered or O_DIRECT, for a tier with
+    fsync on). No store that moves one page at a time can replay the trace
+    faster than ``blocks / this``, bookkeeping aside."""
     if not moved:
         return 0.0
     down, up = _raw_copy(sample, device.torch_device, device.pin_host)
-    write, read = _raw_file(os.path.join(directory, "floor.bin"), sample, durable=False)
+    path = os.path.join(directory, "floor.bin")
+    write, read = _raw_file(path, sample, durable=False)
+    if durable:
+        write = _raw_file(path, sample, durable=True)[0]
     if min(down, up, write, read) <= 0:
         return 0.0                      # a raw limit could not be measured here: no floor
     secs = 0.0

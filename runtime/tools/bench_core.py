@@ -34,7 +34,7 @@ from tiers.layers import LayerSpec
 
 from ..lag import LoopLagMonitor
 from ..store import Store
-from .bench import _best_replay
+from .bench import _best_replay, movement_seconds
 from .oracle import LruPrefixCache
 from .replay import replay
 from .trace import TraceRequest
@@ -78,12 +78,30 @@ async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequenc
     for _ in range(rounds):
         async with _fresh_store(tiers, directory, fsync=fsync) as store:
             r = await replay(store, requests, content=False, verify=False, concurrency=concurrency)
+            device = store.device
         if r.blocks / r.seconds > ours:
             ours, res = r.blocks / r.seconds, r
-    return {"bench": name, "value": round(ours), "unit": "blocks/s", "baseline": round(bare),
-            "baseline_is": "bare LRU prefix cache", "ratio": round(ours / bare, 4),
-            "hit_rate": round(res.hit_blocks / max(1, res.blocks), 4), "loop_lag_ms": res.loop_lag_ms,
-            "errors": dict(res.errors)}
+    row = {"bench": name, "value": round(ours), "unit": "blocks/s", "baseline": round(bare),
+           "baseline_is": "bare LRU prefix cache", "ratio": round(ours / bare, 4),
+           "hit_rate": round(res.hit_blocks / max(1, res.blocks), 4), "loop_lag_ms": res.loop_lag_ms,
+           "errors": dict(res.errors)}
+    moving = movement_seconds(res.moved, device, directory, durable=fsync) if len(tiers) > 1 else 0.0
+    if moving > 0:
+        floor = res.blocks / moving
+        row.update(movement_floor=round(floor), floor_ratio=round(floor / bare, 4),
+                   ratio_to_floor=round(ours / floor, 4))
+    return row
+
+
+def floor_row(replayed: dict) -> list[dict]:
+    """The movement floor of a tiered replay row (``bench.movement_seconds``), as a row of its
+    own: the ratio its target can reach on this machine, and the store's share of it."""
+    if "movement_floor" not in replayed:
+        return []
+    return [{"bench": f"{replayed['bench']}: movement floor (store at {replayed['ratio_to_floor']:.3f} of it)",
+             "value": replayed["movement_floor"], "unit": "blocks/s", "baseline": replayed["baseline"],
+             "baseline_is": "bare LRU prefix cache", "ratio": replayed["floor_ratio"],
+             "store_to_floor": replayed["ratio_to_floor"]}]
 
 
 def _rss() -> int:
@@ -391,8 +409,9 @@ async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, q
         await replay_row("core: GPU-only replay, 4096 blocks (evicting)", requests, (4096,), directory),
         await replay_row("core: three-tier replay 4096/16384/65536, fsync on", requests, (4096, 16384, 65536),
                          tempfile.mkdtemp(dir=directory), fsync=True),
-        await metadata_row(1 << 17 if quick else 1 << 20),
     ]
+    rows += floor_row(rows[-1])
+    rows.append(await metadata_row(1 << 17 if quick else 1 << 20))
     rows += await loop_hold_rows(rounds=2 if quick else 5)
     rows += await concurrency_rows(requests, (4096, 16384, 65536), directory, rounds=1 if quick else 3)
     rows.append(await reopen_row(tempfile.mkdtemp(dir=directory), 100_000 if quick else 1_000_000))
