@@ -10,7 +10,7 @@ releases and closes. Pages evicted from the GPU tier go to the host tier and
 from there to disk; run it twice on the same disk directory and the second run
 starts from the pages the first left on disk.
 
-    python examples/embed.py                       # examples/small.toml, its disk in examples/disk/
+    python examples/embed.py                       # examples/small.toml, its disk in examples/disk/small/
     python examples/embed.py --disk-dir /tmp/kv    # any directory (made if missing)
 
 Exit status 1 if a cached page came back with wrong bytes.
@@ -31,11 +31,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def expected_pages(keys: list[bytes], layer: int, role: str, nbytes: int) -> torch.Tensor:
-    """The bytes the "model" computes for these blocks of one layer's buffer: ``[blocks, nbytes]``."""
-    seeds = torch.tensor([int.from_bytes(k[:8], "little") >> 2 for k in keys], dtype=torch.int64)
+    """The bytes the "model" computes for these blocks of one layer's buffer: ``[blocks, nbytes]``,
+    each block's whole 16-byte key tiled across its page and mixed with a pattern of the column,
+    layer and role, so that a page of any other block, layer or buffer reads as wrong."""
     salt = layer * 2 + (role == "v")
-    col = torch.arange(nbytes, dtype=torch.int64)
-    return ((seeds[:, None] * 31 + col[None, :] * (7 + salt) + salt) & 0xFF).to(torch.uint8)
+    key = torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8).view(len(keys), 16)
+    tiled = key.repeat(1, -(-nbytes // 16))[:, :nbytes]
+    col = ((torch.arange(nbytes) * (7 + 2 * salt) + salt) & 0xFF).to(torch.uint8)
+    return tiled ^ col
 
 
 class Model:
@@ -53,7 +56,7 @@ class Model:
         store = self.store
         for layer, role in self.buffers:
             pool = store.pool_tensor(layer, role)                 # [slots, bytes], on the GPU tier's device
-            slots = torch.tensor(seq.page_indices(layer))         # -1: no page (outside a window)
+            slots = torch.tensor(seq.page_indices(layer), dtype=torch.int64)    # -1: no page (outside a window)
             cached = torch.zeros(len(slots), dtype=torch.bool)
             cached[:seq.matched_blocks] = True
             cached[seq.recompute_blocks(layer)] = False           # cached blocks whose page holds no data
@@ -98,13 +101,14 @@ async def main(args: argparse.Namespace) -> int:
     tally: dict[str, int] = {}
     async with runtime.Store.open(cfg) as store:
         model = Model(store, cfg)
-        await asyncio.gather(*(conversation(store, model, random.Random(args.seed * 1000 + c), system, args.turns, tally)
-                               for c in range(args.conversations)))
+        await asyncio.gather(*(conversation(store, model, random.Random(args.seed * 1000 + c), system,
+                                            args.turns, tally) for c in range(args.conversations)))
         moved = store.stats()["moves"]
     blocks = tally.pop("blocks", 0)
     print(f"{args.conversations} conversations x {args.turns} turns: {blocks} blocks requested, "
           + ", ".join(f"{n} cached on {tier}" for tier, n in tally.items()))
-    print("pages moved: " + ", ".join(f"{d} {m['pages']}" for d, m in sorted(moved.items()) if m["pages"]))
+    print("pages moved: " + (", ".join(f"{d} {m['pages']}" for d, m in sorted(moved.items()) if m["pages"])
+                             or "none"))
     print(f"cached buffers checked {model.checked} (a block's k or v of one layer), wrong {model.wrong}; "
           f"computed {model.written}")
     if cfg.disk is not None:

@@ -5,17 +5,19 @@ prefix cache, in one run, and print blocks/s and their ratio. Also printed,
 two bounds that are not kvtier: the lean bound, the same tiered LRU with
 only its bookkeeping (a Python record per block, no bytes, no awaits), and
 the movement floor, the blocks/s the same page moves would allow at the raw
-copy and page-cache I/O speeds measured in this run (bookkeeping aside).
+copy and page-cache I/O speeds measured in this run, copies and disk
+overlapped (bookkeeping aside).
 
 Then the native core's rows (runtime.tools.bench_core): GPU-only replays,
-three tiers with fsync on, metadata bytes per indexed page, the loop held by
-one 4096-block request, concurrency 32 against 1, reopening a disk tier of a
-million pages, KV events on against off, disk write-through against
-write-back, and the disk tier's spills beside a thread running Python against
-alone (``--no-core`` skips them, ``--quick`` shrinks them). README.md's
-"Reading the benchmark numbers" explains each row; there ``store``, ``lean``
-and ``floor`` below are the ``replay``, ``replay lean bound`` and ``replay
-movement floor`` rows of ``kvtier bench``.
+three tiers with fsync on and their movement floor, metadata bytes per
+indexed page, the loop held by one 4096-block request, concurrency 32
+against 1, reopening a disk tier of a million pages, KV events on against
+off, disk write-through against write-back, and the disk tier's spills
+beside a thread running Python against alone (``--no-core`` skips them,
+``--quick`` shrinks them). README.md's "Reading the benchmark numbers"
+explains each row; there ``store``, ``lean`` and ``floor`` below are the
+``replay``, ``replay lean bound`` and ``replay movement floor`` rows of
+``kvtier bench``.
 
     python scripts/bench_runtime.py [--trace PATH] [--limit N] [--quick] [--no-core] [--json]
 """
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print("floor      none: nothing moved between tiers, or a raw limit could not be measured")
         else:
             print(f"floor      {row['movement_floor']:>12,} blocks/s   the same page moves at raw copy and "
-                  f"page-cache I/O speed, no bookkeeping")
+                  f"page-cache I/O speed, overlapped, no bookkeeping")
             print(f"           {row['floor_ratio']:.4f}  (floor / bare)   {row['ratio_to_floor']:.3f}  (store / floor)")
         width = max([62] + [len(r["bench"]) for r in core_rows])
         for r in core_rows:

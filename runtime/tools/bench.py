@@ -89,11 +89,15 @@ def _raw_copy(nbytes: int, device: torch.device, pinned: bool) -> tuple[float, f
     return out[0], out[1]
 
 
-def _raw_file(path: str, nbytes: int, chunk: int = 8 << 20, durable: bool = True) -> tuple[float, float]:
+def _raw_file(path: str, nbytes: int, chunk: int = 8 << 20, durable: bool = True,
+              cached_reads: bool | None = None) -> tuple[float, float]:
     """GB/s of the best plain sequential write (+fdatasync) and read of
     ``nbytes``: buffered and O_DIRECT (where the filesystem takes it).
     Not ``durable``: buffered only, no fdatasync, reads from the page cache
-    (what a tier with ``fsync=False`` gets at best)."""
+    (what a tier with ``fsync=False`` gets at best). ``cached_reads`` (by
+    default: not ``durable``): buffered reads of what was just written, from
+    the page cache, as a tier reads back pages it spilled lately."""
+    cached_reads = not durable if cached_reads is None else cached_reads
     import mmap
     buf = mmap.mmap(-1, chunk)            # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(chunk))
@@ -124,9 +128,9 @@ def _raw_file(path: str, nbytes: int, chunk: int = 8 << 20, durable: bool = True
             continue
         finally:
             os.close(fd)
-        fd = os.open(path, os.O_RDONLY | flags)
+        fd = os.open(path, os.O_RDONLY | (0 if cached_reads else flags))
         try:
-            if durable:
+            if not cached_reads:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
             for off in range(0, nbytes, chunk):
@@ -230,15 +234,12 @@ async def bench_replay(trace: str, limit: int | None, directory: str) -> dict:
         res = await replay(store, requests, content=False, verify=False)
         device = store.device
     ours = res.blocks / res.seconds
-    moving = movement_seconds(res.moved, device, directory)
-    floor = res.blocks / moving if moving > 0 else None      # None: nothing moved, no floor but the LRU's
     return {"bench": f"replay {os.path.basename(trace)} ({len(requests)} requests)", "value": round(ours),
             "unit": "blocks/s", "baseline": round(bare), "baseline_is": "bare LRU prefix cache",
             "ratio": round(ours / bare, 4), "hit_rate": round(res.hit_blocks / max(1, res.blocks), 4),
             "oracle_hit_rate": round(oracle.hits / max(1, oracle.lookups), 4),
             "lean_bound": round(lean), "lean_ratio": round(lean / bare, 4), "ratio_to_lean": round(ours / lean, 4),
-            "movement_floor": floor and round(floor), "floor_ratio": floor and round(floor / bare, 4),
-            "ratio_to_floor": floor and round(ours / floor, 4)}
+            **floor_fields(res, device, directory, bare)}
 
 
 def _best_replay(make, requests, rounds: int = 3) -> tuple:
@@ -264,30 +265,49 @@ def _best_replay(make, requests, rounds: int = 3) -> tuple:
 
 def movement_seconds(moved: dict, device, directory: str, sample: int = 64 << 20, durable: bool = False) -> float:
     """Seconds the replay's page moves (``Store.stats()["moves"]``) take at
-    the raw limits measured now: one large tensor copy for every byte that
-    crosses between GPU and host memory, a plain sequential page-cache
-    write and read for every byte spilled and recalled (``durable``: the
-    write's best with fdatasync, buffered or O_DIRECT, for a tier with
-    fsync on). No store that moves one page at a time can replay the trace
-    faster than ``blocks / this``, bookkeeping aside."""
+    the raw limits measured now, the copies and the disk each at full speed
+    and overlapped: the longer of the copies' time (one large tensor copy
+    for every byte that crosses between GPU and host memory) and the disk's
+    (a plain sequential write for every byte spilled, with fdatasync if
+    ``durable``, and a page-cache read for every byte recalled). No store
+    can replay the trace faster than ``blocks / this``, bookkeeping aside."""
     if not moved:
         return 0.0
     down, up = _raw_copy(sample, device.torch_device, device.pin_host)
-    path = os.path.join(directory, "floor.bin")
-    write, read = _raw_file(path, sample, durable=False)
-    if durable:
-        write = _raw_file(path, sample, durable=True)[0]
+    write, read = _raw_file(os.path.join(directory, "floor.bin"), sample, durable=durable, cached_reads=True)
     if min(down, up, write, read) <= 0:
         return 0.0                      # a raw limit could not be measured here: no floor
-    secs = 0.0
+    copies = disk = 0.0
     for d, m in moved.items():
         src, dst = d.split("->")
         b = m["bytes"]
         if "disk" in (src, dst):
-            secs += b / 1e9 / (write if dst == "disk" else read)
+            disk += b / 1e9 / (write if dst == "disk" else read)
         if "gpu" in (src, dst):
-            secs += b / 1e9 / (up if dst == "gpu" else down)
-    return secs
+            copies += b / 1e9 / (up if dst == "gpu" else down)
+    return max(copies, disk)
+
+
+def floor_fields(res, device, directory: str, bare: float, durable: bool = False) -> dict:
+    """A tiered replay row's movement floor (``movement_seconds``): blocks/s, its ratio to the
+    bare LRU and the store's share of it; None each where nothing moved or no raw limit could be
+    measured."""
+    moving = movement_seconds(res.moved, device, directory, durable=durable)
+    if moving <= 0:
+        return {"movement_floor": None, "floor_ratio": None, "ratio_to_floor": None}
+    floor = res.blocks / moving
+    return {"movement_floor": round(floor), "floor_ratio": round(floor / bare, 4),
+            "ratio_to_floor": round(res.blocks / res.seconds / floor, 4)}
+
+
+def floor_row(replayed: dict, name: str) -> list[dict]:
+    """The movement floor of a tiered replay row, as a row of its own (none without a floor);
+    ``{share}`` in ``name`` becomes the store's share of it."""
+    if replayed.get("movement_floor") is None:
+        return []
+    return [{"bench": name.format(share=replayed["ratio_to_floor"]), "value": replayed["movement_floor"], "unit": "blocks/s",
+             "baseline": replayed["baseline"], "baseline_is": "bare LRU prefix cache",
+             "ratio": replayed["floor_ratio"], "store_to_floor": replayed["ratio_to_floor"]}]
 
 
 def default_trace() -> str:
@@ -313,10 +333,7 @@ def run_bench(quick: bool = False, quiet: bool = True, trace: str | None = None,
         rows.append({"bench": "replay lean bound (its tiered LRU, bookkeeping only)",
                      "value": replayed["lean_bound"], "unit": "blocks/s", "baseline": replayed["baseline"],
                      "baseline_is": "bare LRU prefix cache", "ratio": replayed["lean_ratio"]})
-        if replayed["movement_floor"] is not None:
-            rows.append({"bench": "replay movement floor (its page moves at raw copy and page-cache speed)",
-                         "value": replayed["movement_floor"], "unit": "blocks/s", "baseline": replayed["baseline"],
-                         "baseline_is": "bare LRU prefix cache", "ratio": replayed["floor_ratio"]})
+        rows += floor_row(replayed, "replay movement floor (its page moves at raw copy and page-cache speed)")
         from .bench_remote import remote_rows, shared_replay_row
         rows += run(remote_rows(rounds=2 if quick else 3))      # none without redis-server
         shared = shared_replay_row(trace or default_trace(), 1000 if quick else 3000)

@@ -3,7 +3,8 @@ reference measured in the same run (never a timed test):
 
 - replays of a trace metadata-first through GPU-only stores (nothing
   evicted; 4096 blocks, evicting) and through three tiers with fsync on, in
-  blocks/s against the bare LRU prefix cache of the same total capacity;
+  blocks/s against the bare LRU prefix cache of the same total capacity,
+  and the three-tier replay's movement floor (``bench.movement_seconds``);
 - metadata bytes per indexed page: process RSS growth over a million
   committed pages (page bytes excluded: the slab is allocated at open);
 - how long one 4096-block request holds the event loop, fresh and cached;
@@ -34,7 +35,7 @@ from tiers.layers import LayerSpec
 
 from ..lag import LoopLagMonitor
 from ..store import Store
-from .bench import _best_replay, movement_seconds
+from .bench import _best_replay, floor_fields, floor_row
 from .oracle import LruPrefixCache
 from .replay import replay
 from .trace import TraceRequest
@@ -85,23 +86,9 @@ async def replay_row(name: str, requests: Sequence[TraceRequest], tiers: Sequenc
            "baseline_is": "bare LRU prefix cache", "ratio": round(ours / bare, 4),
            "hit_rate": round(res.hit_blocks / max(1, res.blocks), 4), "loop_lag_ms": res.loop_lag_ms,
            "errors": dict(res.errors)}
-    moving = movement_seconds(res.moved, device, directory, durable=fsync) if len(tiers) > 1 else 0.0
-    if moving > 0:
-        floor = res.blocks / moving
-        row.update(movement_floor=round(floor), floor_ratio=round(floor / bare, 4),
-                   ratio_to_floor=round(ours / floor, 4))
+    if len(tiers) > 1:
+        row.update(floor_fields(res, device, directory, bare, durable=fsync))
     return row
-
-
-def floor_row(replayed: dict) -> list[dict]:
-    """The movement floor of a tiered replay row (``bench.movement_seconds``), as a row of its
-    own: the ratio its target can reach on this machine, and the store's share of it."""
-    if "movement_floor" not in replayed:
-        return []
-    return [{"bench": f"{replayed['bench']}: movement floor (store at {replayed['ratio_to_floor']:.3f} of it)",
-             "value": replayed["movement_floor"], "unit": "blocks/s", "baseline": replayed["baseline"],
-             "baseline_is": "bare LRU prefix cache", "ratio": replayed["floor_ratio"],
-             "store_to_floor": replayed["ratio_to_floor"]}]
 
 
 def _rss() -> int:
@@ -410,7 +397,8 @@ async def control_plane_rows(requests: Sequence[TraceRequest], directory: str, q
         await replay_row("core: three-tier replay 4096/16384/65536, fsync on", requests, (4096, 16384, 65536),
                          tempfile.mkdtemp(dir=directory), fsync=True),
     ]
-    rows += floor_row(rows[-1])
+    rows += floor_row(rows[-1], "core: three-tier replay 4096/16384/65536, fsync on: movement floor "
+                                "(store at {share:.3f} of it)")
     rows.append(await metadata_row(1 << 17 if quick else 1 << 20))
     rows += await loop_hold_rows(rounds=2 if quick else 5)
     rows += await concurrency_rows(requests, (4096, 16384, 65536), directory, rounds=1 if quick else 3)
