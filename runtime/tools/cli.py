@@ -294,18 +294,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvtier {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="replay a bundled trace slice with real pages through all three tiers")
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        """A subcommand whose summary is its line in ``kvtier --help`` and the head of its own."""
+        return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+
+    d = command("demo", "replay a bundled trace slice with real pages through all three tiers")
     d.add_argument("--requests", type=at_least(1), default=300, help="requests replayed (default 300)")
     d.add_argument("--concurrency", type=at_least(1), default=4, help="requests in flight (default 4)")
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=cmd_demo)
 
-    g = sub.add_parser("groups", help="show the pool groups a config produces")
+    g = command("groups", "show the pool groups a config produces")
     g.add_argument("config", help="TOML config")
     g.add_argument("--json", action="store_true", help="print the groups as JSON")
     g.set_defaults(func=cmd_groups)
 
-    r = sub.add_parser("replay", help="replay a Mooncake-format trace")
+    r = command("replay", "replay a Mooncake-format trace")
     r.add_argument("trace", help="Mooncake-format JSONL trace, plain or gzipped")
     r.add_argument("--config", help="TOML config (else the --*-blocks flags)")
     r.add_argument("--gpu-blocks", type=at_least(1), help="GPU slots (default 1024)")
@@ -327,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the result as JSON")
     r.set_defaults(func=cmd_replay)
 
-    s = sub.add_parser("stress", help="random concurrent sequences under memory pressure, every page verified")
+    s = command("stress", "random concurrent sequences under memory pressure, every page verified")
     s.add_argument("--ops", type=at_least(1), default=2000, help="sequence operations in all (default 2000)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--concurrency", type=at_least(1), default=8, help="workers at once (default 8)")
@@ -340,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_stress)
 
-    b = sub.add_parser("bench", help="benchmarks as ratios against raw limits measured in the same run")
+    b = command("bench", "benchmarks as ratios against raw limits measured in the same run")
     b.add_argument("--quick", action="store_true", help="one page size and a trace slice (well under a minute)")
     b.add_argument("--trace", help="trace for the control-plane replay (default: the conversation trace "
                                    "when ../shared/traces is beside the checkout, else the bundled slice)")
