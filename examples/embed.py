@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import random
 import sys
@@ -56,31 +57,28 @@ class Model:
         store = self.store
         for layer, role in self.buffers:
             pool = store.pool_tensor(layer, role)                 # [slots, bytes], on the GPU tier's device
-            slots = torch.tensor(seq.page_indices(layer), dtype=torch.int64)    # -1: no page (outside a window)
-            cached = torch.zeros(len(slots), dtype=torch.bool)
+            dev = pool.device
+            slots = torch.tensor(seq.page_indices(layer), dtype=torch.int64, device=dev)  # -1: none (out of window)
+            cached = torch.zeros(len(slots), dtype=torch.bool, device=dev)
             cached[:seq.matched_blocks] = True
             cached[seq.recompute_blocks(layer)] = False           # cached blocks whose page holds no data
-            want = expected_pages(seq.keys[:len(slots)], layer, role, pool.shape[1]).to(pool.device)
-            read = cached & (slots >= 0)
-            got = pool[slots[read].to(pool.device)]
-            bad = (got != want[read.to(pool.device)]).any(dim=1)
+            want = expected_pages(seq.keys[:len(slots)], layer, role, pool.shape[1]).to(dev)
+            read, fill = cached & (slots >= 0), ~cached & (slots >= 0)
             self.checked += int(read.sum())
-            self.wrong += int(bad.sum())
-            fill = ~cached & (slots >= 0)
-            pool[slots[fill].to(pool.device)] = want[fill.to(pool.device)]
+            self.wrong += int((pool[slots[read]] != want[read]).any(dim=1).sum())
+            pool[slots[fill]] = want[fill]
             self.written += int(fill.sum())
 
 
 async def conversation(store: runtime.Store, model: Model, rng: random.Random, system: list[int],
-                       turns: int, tally: dict[str, int]) -> None:
+                       turns: int, tally: collections.Counter) -> None:
     history = list(system)
-    for turn in range(turns):
+    for _ in range(turns):
         history += [rng.randrange(32_000) for _ in range(rng.randrange(2_000, 5_000))]
         seq = await store.open_sequence(tokens=history, priority=35)
         try:
-            for tier, n in seq.matched_by_tier.items():
-                tally[tier] = tally.get(tier, 0) + n
-            tally["blocks"] = tally.get("blocks", 0) + len(seq.keys)
+            tally.update(seq.matched_by_tier)
+            tally["blocks"] += len(seq.keys)
             await seq.acquire()                                   # cached prefix on the GPU, locked, ready
             await seq.extend(len(seq.keys) - seq.num_blocks)      # fresh pages for the rest of the prompt
             model.run(seq)
@@ -98,7 +96,7 @@ async def main(args: argparse.Namespace) -> int:
     cfg = runtime.load_config(args.config, disk_path=args.disk_dir)
     rng = random.Random(args.seed)
     system = [rng.randrange(32_000) for _ in range(2_048)]        # a system prompt every conversation shares
-    tally: dict[str, int] = {}
+    tally: collections.Counter = collections.Counter()
     async with runtime.Store.open(cfg) as store:
         model = Model(store, cfg)
         await asyncio.gather(*(conversation(store, model, random.Random(args.seed * 1000 + c), system,

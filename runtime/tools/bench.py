@@ -305,8 +305,8 @@ def floor_row(replayed: dict, name: str) -> list[dict]:
     ``{share}`` in ``name`` becomes the store's share of it."""
     if replayed.get("movement_floor") is None:
         return []
-    return [{"bench": name.format(share=replayed["ratio_to_floor"]), "value": replayed["movement_floor"], "unit": "blocks/s",
-             "baseline": replayed["baseline"], "baseline_is": "bare LRU prefix cache",
+    return [{"bench": name.format(share=replayed["ratio_to_floor"]), "value": replayed["movement_floor"],
+             "unit": "blocks/s", "baseline": replayed["baseline"], "baseline_is": "bare LRU prefix cache",
              "ratio": replayed["floor_ratio"], "store_to_floor": replayed["ratio_to_floor"]}]
 
 
