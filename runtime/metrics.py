@@ -50,14 +50,14 @@ kvtier_corrupt_pages_total                                none
 kvtier_recovered_pages                                    none
 kvtier_orphaned_pages_total                               none
 kvtier_discarded_pages_total                              none
-kvtier_write_through_pages_total                          none (clean copies written to disk)
-kvtier_write_through_bytes_total                          none
-kvtier_write_through_pending                              none (published pages waiting for their copy)
-kvtier_write_through_copies                               none (disk slots holding a clean copy now)
-kvtier_write_through_free_demotions_total                 none (demotions onto a copy: no bytes moved)
-kvtier_write_through_kept_on_promotion_total             none (promotions that kept the disk slot as a copy)
-kvtier_write_through_evicted_copies_total                 none
-kvtier_write_through_failures_total                       none
+kvtier_write_through_pages_total{tier}                    none (clean copies written to the host or disk)
+kvtier_write_through_bytes_total{tier}                    none
+kvtier_write_through_pending{tier}                        none (published pages waiting for their copy)
+kvtier_write_through_copies{tier}                         none (slots holding a clean copy now)
+kvtier_write_through_free_demotions_total{tier}           none (demotions onto a copy: no bytes moved)
+kvtier_write_through_kept_on_promotion_total{tier}       none (promotions that kept the cold slot as a copy)
+kvtier_write_through_evicted_copies_total{tier}           none
+kvtier_write_through_failures_total{tier}                 none
 kvtier_events_total                                       none (vLLM's KV event publisher exports no metric)
 kvtier_events_published_total                             none
 kvtier_events_dropped_total                               none
@@ -148,6 +148,7 @@ class StoreCollector:
         counter, gauge = c.CounterMetricFamily, c.GaugeMetricFamily
         slot = ["tier", "group"]
         d = ["direction"]
+        wt = ["tier"]
         return {
             "queries": counter(f"{p}_prefix_cache_queries", "Blocks looked up by open_sequence"),
             "hits": counter(f"{p}_prefix_cache_hits",
@@ -183,15 +184,19 @@ class StoreCollector:
             "orphaned": counter(f"{p}_orphaned_pages", "Disk pages unreachable at start (freed)"),
             "discarded": counter(f"{p}_discarded_pages",
                                  "Disk pages discarded (damaged, or not fitting the layout or tree)"),
-            "wt_pages": counter(f"{p}_write_through_pages", "Clean copies written to disk (write-through)"),
-            "wt_bytes": counter(f"{p}_write_through_bytes", "Bytes of clean copies written to disk"),
-            "wt_pending": gauge(f"{p}_write_through_pending", "Published pages waiting for their disk copy"),
-            "wt_copies": gauge(f"{p}_write_through_copies", "Disk slots holding a clean copy now"),
-            "wt_free": counter(f"{p}_write_through_free_demotions", "Demotions onto a clean copy (no bytes moved)"),
+            "wt_pages": counter(f"{p}_write_through_pages", "Clean copies written per cold tier (write-through)",
+                                labels=wt),
+            "wt_bytes": counter(f"{p}_write_through_bytes", "Bytes of clean copies written per cold tier", labels=wt),
+            "wt_pending": gauge(f"{p}_write_through_pending", "Published pages waiting for their copy per cold tier",
+                                labels=wt),
+            "wt_copies": gauge(f"{p}_write_through_copies", "Slots holding a clean copy now per cold tier",
+                               labels=wt),
+            "wt_free": counter(f"{p}_write_through_free_demotions", "Demotions onto a clean copy (no bytes moved)",
+                               labels=wt),
             "wt_kept": counter(f"{p}_write_through_kept_on_promotion",
-                               "Disk pages promoted that kept their slot as a clean copy"),
-            "wt_evicted": counter(f"{p}_write_through_evicted_copies", "Clean copies the disk evicted"),
-            "wt_failures": counter(f"{p}_write_through_failures", "Write-through batches that failed"),
+                               "Cold pages promoted that kept their slot as a clean copy", labels=wt),
+            "wt_evicted": counter(f"{p}_write_through_evicted_copies", "Clean copies their tier evicted", labels=wt),
+            "wt_failures": counter(f"{p}_write_through_failures", "Write-through batches that failed", labels=wt),
             "ev_made": counter(f"{p}_events", "KV events made (BlockStored, BlockRemoved, AllBlocksCleared)"),
             "ev_published": counter(f"{p}_events_published", "KV event batches published (handed to ZMQ)"),
             "ev_dropped": counter(f"{p}_events_dropped", "KV event batches dropped (a full queue or reader buffer)"),
@@ -290,16 +295,18 @@ class StoreCollector:
         yield from (f[k] for k in ("dropped", "disk_full_dropped", "disk_full_spills", "corrupt", "recovered",
                                    "orphaned", "discarded"))
 
-        wt = stats.get("write_through")
-        if wt and wt.get("on"):
-            f["wt_pages"].add_metric([], wt["copied_pages"])
-            f["wt_bytes"].add_metric([], wt["copied_bytes"])
-            f["wt_pending"].add_metric([], wt["pending"])
-            f["wt_copies"].add_metric([], wt["copies"])
-            f["wt_free"].add_metric([], wt["free_demotions"])
-            f["wt_evicted"].add_metric([], wt["evicted_copies"])
-            f["wt_kept"].add_metric([], wt["kept_on_promotion"])
-            f["wt_failures"].add_metric([], wt["failures"])
+        on = [(tier, wt) for tier, wt in (("host", stats.get("host_write_through")), ("disk", stats.get("write_through")))
+              if wt and wt.get("on")]
+        for tier, wt in on:
+            f["wt_pages"].add_metric([tier], wt["copied_pages"])
+            f["wt_bytes"].add_metric([tier], wt["copied_bytes"])
+            f["wt_pending"].add_metric([tier], wt["pending"])
+            f["wt_copies"].add_metric([tier], wt["copies"])
+            f["wt_free"].add_metric([tier], wt["free_demotions"])
+            f["wt_evicted"].add_metric([tier], wt["evicted_copies"])
+            f["wt_kept"].add_metric([tier], wt["kept_on_promotion"])
+            f["wt_failures"].add_metric([tier], wt["failures"])
+        if on:
             yield from (f[k] for k in f if k.startswith("wt_"))
 
         events = stats.get("events")

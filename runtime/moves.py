@@ -40,6 +40,35 @@ log = logging.getLogger("kvtier")
 REFILL_WAITS = 2                 # landings the first in line waits for before it evicts for itself
 
 
+class _Tee:
+    """A batch's write-through to the remote tier: the bytes of its reservation, held until the
+    engine hands over the landed rows (``write``; from then on the remote's), released if the
+    batch fails or lands without the tee running (its copy failed: nothing to write)."""
+
+    __slots__ = ("remote", "reserved", "pages", "records")
+
+    def __init__(self, remote, nbytes: int, pages: int, records: np.ndarray) -> None:
+        self.remote, self.reserved, self.pages, self.records = remote, nbytes, pages, records
+
+    def write(self, rows: torch.Tensor) -> None:
+        nbytes, self.reserved = self.reserved, 0    # write_through owns the reservation from here, and releases it
+        try:
+            self.remote.write_through(self.records, rows, nbytes)
+        except Exception:           # noqa: BLE001 - it never got to its own release
+            self.remote.release(nbytes)
+            raise
+
+    def release(self) -> None:
+        if self.reserved:
+            self.remote.release(self.reserved)
+            self.reserved = 0
+
+    def landed(self) -> None:
+        if self.reserved:
+            self.release()
+            self.remote.skipped_pages += self.pages
+
+
 class _FreeBatch:
     """The disk frees of one job on the write stream. The loop joins frees to it until the
     job starts; the lock makes "not started yet, so joined" and "started, so taken" exclusive."""
@@ -100,7 +129,7 @@ class Moves:
     engine = property(attrgetter("store.engine"))
     disk = property(attrgetter("store.disk"))
     remote = property(attrgetter("store.remote"))
-    write_through = property(attrgetter("store.write_through"))
+    write_throughs = property(attrgetter("store.write_throughs"))
     claims = property(attrgetter("store.claims"))
     events = property(attrgetter("store.events"))
     reclaimers = property(attrgetter("store.reclaimers"))
@@ -286,9 +315,10 @@ class Moves:
                                     - self.refilling.get(key, 0)), self.line_batch[tier])
                     # pages the background demotion or a write-through copy has claimed are not
                     # evictable, but they are again when it finishes: wait for that rather than fail
-                    wt = self.write_through if tier != DISK else None
+                    wt = next((w for t, w in self.write_throughs.items() if t > tier and not w.idle.is_set()),
+                              None)
                     busy = reclaimer.idle if reclaimer is not None and reclaimer.busy else \
-                        wt.idle if wt is not None and not wt.idle.is_set() else None
+                        wt.idle if wt is not None else None
                     victims = self.pick_victims(tier, group, short, extra, raise_=busy is None)
                     if victims is None:
                         await busy.wait()
@@ -353,12 +383,13 @@ class Moves:
 
     async def evict(self, tier: int, victims: Pages) -> list[int]:
         """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller.
-        Under write-through, victims bound for the disk that have a clean copy there take over
-        their copy's slot: no bytes move."""
-        if self.write_through is None or self.next_tier[tier] != DISK:
+        Under write-through, clean copies among the victims leave (their primaries stay), and
+        victims that have a copy in the next tier take over their copy's slot: no bytes move."""
+        nxt = self.next_tier[tier]
+        if not self.write_throughs or nxt is None:
             return await self._evict_claimed(tier, victims)
         group = self.core.page_info(victims.slice(0, 1).tolist()[0])["group"] if victims else 0
-        claims, handed, victims = self.core.swap_to_copies(victims)
+        claims, handed, victims = self.core.swap_to_copies(victims, nxt)
         self.claims.settle(claims)
         self.sync()
         if not victims:
@@ -470,6 +501,23 @@ class Moves:
             raise error
         return freed
 
+    def tee_to_remote(self, job: Batch, batch: Pages, group: int) -> "_Tee | None":
+        """Remote write-through: the bytes of a batch leaving the GPU (a demotion, or a clean
+        copy to a cold tier's ``group``) also go to the server, from the rows the engine landed
+        (``job.tee``). None when there is nothing to tee; the caller calls ``release`` if the
+        batch fails, ``landed`` once it landed."""
+        remote = self.remote
+        if remote is None or remote.settings.write != "through" or job.src_tier != GPU:
+            return None
+        n = len(job.src_slots)
+        nbytes = n * self.engine.cold_bytes[group]
+        if not remote.reserve(nbytes):
+            remote.skipped_pages += n
+            return None
+        tee = _Tee(remote, nbytes, n, self.records(batch))     # now: the claim keeps these pages as they are
+        job.tee = tee.write
+        return tee
+
     async def _move_batch(self, batch: Pages, dst_tier: int, g: int, dst_slots: list[int],
                           handoff: bool) -> list[int]:
         core = self.core
@@ -480,31 +528,12 @@ class Moves:
         # a spill of pages the store may lose is written behind (migration._spill_behind); not with
         # a remote tier, whose write-back reads disk victims before their drop
         job.behind = src_tier == HOST and dst_tier == DISK and self.remote is None and core.droppable(batch)
-        reserved = 0
-        if self.remote is not None and self.remote.settings.write == "through" and src_tier == GPU:
-            # leaving the GPU: write-through to the remote tier
-            nbytes = len(src_slots) * self.engine.cold_bytes[g]
-            if self.remote.reserve(nbytes):
-                reserved = nbytes
-                records = self.records(batch)           # now: the claim keeps these pages as they are
-
-                def tee(rows: torch.Tensor) -> None:
-                    nonlocal reserved
-                    reserved = 0                # write_through owns the reservation from here, and releases it
-                    try:
-                        self.remote.write_through(records, rows, nbytes)
-                    except Exception:           # noqa: BLE001 - it never got to its own release
-                        self.remote.release(nbytes)
-                        raise
-                job.tee = tee
-            else:
-                self.remote.skipped_pages += len(src_slots)
+        tee = self.tee_to_remote(job, batch, g)
         try:
             ev = await self.engine.run(job, dst_tier, g, dst_slots, fences)
         except BaseException as exc:
-            if reserved:
-                self.remote.release(reserved)
-                reserved = 0
+            if tee is not None:
+                tee.release()
             self.engine.stats.failures[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += 1
             core.give_back(dst_tier, g, dst_slots)
             self.unclaim(batch, exc)
@@ -515,9 +544,8 @@ class Moves:
                             len(depths), sorted(depths)[:16])
                 self.sync()
             raise
-        if reserved:                            # the tee never ran (its copy failed): nothing to write
-            self.remote.release(reserved)
-            self.remote.skipped_pages += len(src_slots)
+        if tee is not None:
+            tee.landed()
         ready = self.events.id(ev, keep=job.released)     # a write behind may have failed already
         if job.released:
             job.pages, job.ready_id = batch, ready

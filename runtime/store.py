@@ -112,8 +112,9 @@ class Store:
         self._closing: asyncio.Future | None = None
         self.kv_events = KvEvents(self, cfg.events) if cfg.events is not None else None
         self.remote = RemoteLink(self, cfg.remote) if cfg.remote is not None else None
-        self.write_through = WriteThrough(self, cfg.disk) \
-            if cfg.disk is not None and cfg.disk.write == "through" else None
+        # clean copies, per cold tier that writes through (the disk's first: it is closed first)
+        self.write_throughs = {t: WriteThrough(self, c, t) for t, c in ((DISK, cfg.disk), (HOST, cfg.host))
+                               if c is not None and c.write == "through"}
         self._recounted = [0, 0, 0, 0]     # lookups and hits of first opens that a remote import re-matched
 
     # -- life of the store ------------------------------------------------------------
@@ -161,16 +162,16 @@ class Store:
             await loop.run_in_executor(None, self._build)
             self.engine.attach(loop)
             self.engine.on_behind_failure = self.moves.behind_failed
-            if self.write_through is not None:
+            if DISK in self.write_throughs:
                 self.engine.staged = None       # a promoted page's disk copy must be written when it lands
             if self.kv_events is not None:
                 self.kv_events.start()          # AllBlocksCleared, then what recovery finds
             if self.disk is not None:
                 await index_recovered(self)     # the core is rebuilt off the loop: nothing may use it meanwhile
-        if self.write_through is not None:
-            self.core.set_write_through(True)   # from here on every page published off the disk is queued
-            self.write_through.start()
-            self._warn_small_write_through_disk()
+        for tier, wt in self.write_throughs.items():
+            self.core.set_write_through(tier, True)     # from here on every page published above it is queued
+            wt.start()
+            self._warn_small_write_through(tier)
         if self.remote is not None:
             await self.remote.open()            # an unreachable server is a tier with its circuit open
         self._start_reclaimers()
@@ -282,8 +283,8 @@ class Store:
             await asyncio.wait([self._starting])        # a start in flight finishes (or fails) first
         for r in getattr(self, "reclaimers", {}).values():
             await r.stop()
-        if self.write_through is not None:
-            await self.write_through.stop()     # its batch in flight lands; persisting covers the rest
+        for wt in self.write_throughs.values():
+            await wt.stop()                     # its batch in flight lands; persisting covers the rest
         await self.moves.wait_tasks()
         if self.started and self.disk is not None and self.cfg.persist_on_close:
             try:
@@ -306,17 +307,19 @@ class Store:
             for pool in pools:
                 pool.release()
 
-    def _warn_small_write_through_disk(self) -> None:
-        """Write-through keeps a copy of every page above the disk on it: a disk no larger than
-        GPU + host evicts copies to make copies, and holds fewer distinct pages than write-back."""
+    def _warn_small_write_through(self, tier: int) -> None:
+        """Write-through keeps a copy of every page above the tier in it: a tier no larger than
+        the tiers above evicts copies to make copies, and holds fewer distinct pages than
+        write-back."""
         core = self.core
-        above = sum(core.capacity(t, g) for t in (GPU, HOST) if t in self.tier_ids for g in range(core.n_groups(t)))
-        disk = sum(core.capacity(DISK, g) for g in range(core.n_groups(DISK)))
-        if disk <= above:
-            log.warning("disk write = \"through\" with %d disk slots for %d GPU and host slots: the disk cannot "
-                        "hold a copy of what is above it, so copies will evict each other (and pages only the "
-                        "disk has); give the disk several times the slots above it, or use write = \"back\"",
-                        disk, above)
+        above = sum(core.capacity(t, g) for t in self.tier_ids if t < tier for g in range(core.n_groups(t)))
+        own = sum(core.capacity(tier, g) for g in range(core.n_groups(tier)))
+        if own <= above:
+            name = TIER_NAMES[tier]
+            log.warning("%s write = \"through\" with %d %s slots for %d slots above it: the %s cannot hold a "
+                        "copy of what is above it, so copies will evict each other (and pages only the %s "
+                        "has); give the %s several times the slots above it, or use write = \"back\"",
+                        name, own, name, above, name, name, name)
 
     def _shutdown(self) -> None:
         if self.kv_events is not None:
@@ -482,7 +485,9 @@ class Store:
             "discarded_pages": counters["discarded"] + (len(self.disk.discarded) if self.disk is not None else 0),
             "corrupt_pages": self.moves.corrupt_pages,
             "disk_full": {"refused_spills": self.moves.disk_full_events, "dropped_pages": self.moves.disk_full_dropped},
-            "write_through": self.write_through.stats() if self.write_through is not None else write_through_off(),
+            "write_through": self.write_throughs[DISK].stats() if DISK in self.write_throughs else write_through_off(),
+            "host_write_through": self.write_throughs[HOST].stats() if HOST in self.write_throughs
+            else write_through_off(),
             "core": {"live_pages": core.live_pages(), "live_blocks": core.live_blocks(),
                      "memory_bytes": core.memory_bytes()},
         }
@@ -523,7 +528,7 @@ class Store:
 
     async def drain(self) -> None:
         """Wait until no move, eviction or background demotion is in flight,
-        and (write-through) every page that can be copied to disk now is."""
+        and (write-through) every page that can be copied down now is."""
         def background() -> bool:       # a stopped reclaimer (the store closed) runs nothing, woken or not
             return any(r.busy or (r.wake.is_set() and r.task is not None) for r in self.reclaimers.values())
 
@@ -532,12 +537,13 @@ class Store:
                 await self.moves.wait_tasks()
                 await self.moves.behind_written()
                 await asyncio.sleep(0.001)
-            if self.write_through is None or self.closed:
+            if not self.write_throughs or self.closed:
                 return
             # a pass of our own (or the running one, then ours): it ends when nothing it can copy is left
-            running = self.write_through.flush_pass()
-            await asyncio.wait([running])
-            await asyncio.wait([self.write_through.flush_pass()])
+            for wt in self.write_throughs.values():
+                running = wt.flush_pass()
+                await asyncio.wait([running])
+                await asyncio.wait([wt.flush_pass()])
             if not self.moves.tasks and not background():
                 return
 

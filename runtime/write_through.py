@@ -1,16 +1,19 @@
-"""Write-through to the disk tier: clean copies of committed pages.
+"""Write-through to a cold tier (host or disk): clean copies of committed pages.
 
-With ``[tiers.disk] write = "through"`` every page published outside the disk
-is also copied down in the background, so that a process killed without a
-clean close loses at most the commits of the last ``write_interval``, and a
-later demotion of a page whose copy is on disk moves no bytes (the core swaps
-the page onto its copy).
+With ``write = "through"`` in ``[tiers.host]`` or ``[tiers.disk]``, every page
+published in a warmer tier is also copied into that tier in the background,
+so that a later demotion of a page whose copy is there moves no bytes (the
+core swaps the page onto its copy), a promoted page keeps its cold slot as a
+copy, and (the disk) a process killed without a clean close loses at most
+the commits of the last ``write_interval``.
 
-The core keeps the queue of pages to copy and decides (``take_copies``,
-``land_copies``); this task moves the bytes, one batch of at most
+The core keeps each tier's queue of pages to copy and decides (``take_copies``,
+``land_copies``); one task per tier moves the bytes, one batch of at most
 ``max_inflight_bytes`` after another, through the migration engine. A copy
 claim never holds a page away from its readers: an acquire of a GPU page does
 not wait for it, and the page cannot move or be freed while its bytes are read.
+Copies compete for their tier's slots like any page there: making room for
+one may evict older pages (or copies) of the tier.
 """
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from tiers.config import DiskConfig
+from tiers.config import ColdTierConfig
 from tiers.errors import DiskFullError, OutOfPagesError
 
 from .migration import Batch
-from .pages import DISK
+from .pages import TIER_NAMES
 
 if TYPE_CHECKING:
     from .store import Store
@@ -31,11 +34,12 @@ log = logging.getLogger("kvtier")
 
 
 class WriteThrough:
-    __slots__ = ("store", "interval", "max_bytes", "task", "wake", "stopping", "copied_pages", "copied_bytes",
+    __slots__ = ("store", "tier", "interval", "max_bytes", "task", "wake", "stopping", "copied_pages", "copied_bytes",
                  "batches", "failures", "disk_full", "_logged", "idle", "_flush")
 
-    def __init__(self, store: "Store", cfg: DiskConfig) -> None:
+    def __init__(self, store: "Store", cfg: ColdTierConfig, tier: int) -> None:
         self.store = store
+        self.tier = tier                    # HOST or DISK: where the copies go
         self.interval = float(cfg.write_interval)
         self.max_bytes = int(cfg.max_inflight_bytes)
         self.task: asyncio.Task | None = None
@@ -90,11 +94,11 @@ class WriteThrough:
         self.idle.clear()
         try:
             while not store.closed and not self.stopping:
-                pages, claims = core.take_copies(self._max_pages())
+                pages, claims = core.take_copies(self.tier, self._max_pages())
                 if not pages:
                     return
                 store.claims.open(claims, False)
-                batches = core.split_batches(pages, DISK)
+                batches = core.split_batches(pages, self.tier)
                 jobs = [store.moves.spawn(self._batch(b, g)) for _, _, g, b in batches]
                 await asyncio.wait(jobs)
                 landed = True
@@ -111,44 +115,52 @@ class WriteThrough:
             self.idle.set()
 
     def _max_pages(self) -> int:
-        """Pages per take: the byte bound, and a quarter of the smallest disk
-        group, so that one batch never needs more slots than the disk can free."""
+        """Pages per take: the byte bound, and a quarter of the tier's smallest
+        group, so that one batch never needs more slots than the tier can free."""
         store = self.store
         per_page = max(store.engine.cold_bytes) if store.engine.cold_bytes else 1
         n = self.max_bytes // max(1, per_page)
-        for g in range(store.core.n_groups(DISK)):
-            n = min(n, store.core.capacity(DISK, g) // 4)
+        for g in range(store.core.n_groups(self.tier)):
+            n = min(n, store.core.capacity(self.tier, g) // 4)
         return max(1, n)
 
     async def _batch(self, batch, group: int) -> bool:
-        """One batch to (DISK, group); False if it failed (its pages are queued again)."""
+        """One batch to (tier, group); False if it failed (its pages are queued again)."""
         store = self.store
         core = store.core
+        tier = self.tier
         try:
-            slots = await store.moves.obtain(DISK, group, len(batch))
+            slots = await store.moves.obtain(tier, group, len(batch))
         except BaseException as exc:
             store.moves.unclaim(batch, None)
-            if isinstance(exc, OutOfPagesError):    # the disk is full of held or moving pages: later
+            if isinstance(exc, OutOfPagesError):    # the tier is full of held or moving pages: later
                 return False
             if isinstance(exc, Exception):
                 self._failed(exc)
                 return False
             raise
         src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
-        fences = store.events.all(core.slot_fences(DISK, group, slots))
+        fences = store.events.all(core.slot_fences(tier, group, slots))
         store.moves.sync()
         job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)),
                     lambda: store.moves.records(batch))
+        # its bytes leave the GPU: the remote's write-through sees them now (a later demotion onto
+        # this copy moves none)
+        tee = store.moves.tee_to_remote(job, batch, group)
         try:
-            ev = await store.engine.run(job, DISK, group, slots, fences, record=False)
+            ev = await store.engine.run(job, tier, group, slots, fences, record=False)
         except BaseException as exc:        # as a failed move: the slots go back, the claims end
-            core.give_back(DISK, group, slots)
+            if tee is not None:
+                tee.release()
+            core.give_back(tier, group, slots)
             store.moves.unclaim(batch, None)
             if not isinstance(exc, Exception):
                 raise
             self._failed(exc)
             return False
-        store.claims.settle(core.land_copies(batch, group, slots, store.events.id(ev)))
+        if tee is not None:
+            tee.landed()
+        store.claims.settle(core.land_copies(batch, tier, group, slots, store.events.id(ev)))
         store.moves.sync()
         self.copied_pages += len(slots)
         self.copied_bytes += len(slots) * store.engine.cold_bytes[group]
@@ -162,21 +174,22 @@ class WriteThrough:
         now = asyncio.get_running_loop().time()
         if now - self._logged >= 60.0:
             self._logged = now
-            log.warning("write-through to the disk tier failed (%s%r); the pages stay queued and are retried "
-                        "every write_interval; %d batch(es) failed so far",
+            log.warning("write-through to the %s tier failed (%s%r); the pages stay queued and are retried "
+                        "every write_interval; %d batch(es) failed so far", TIER_NAMES[self.tier],
                         "the filesystem is full: " if full else "", exc, self.failures)
 
     def stats(self) -> dict:
         c = self.store.core.counters()
+        t = self.tier
         return {"on": True, "copied_pages": self.copied_pages, "copied_bytes": self.copied_bytes,
-                "batches": self.batches, "pending": self.store.core.copies_pending(),
-                "free_demotions": c["copy_swaps"], "kept_on_promotion": c["copies_kept"],
-                "evicted_copies": c["copies_evicted"], "copies": c["copies"], "failures": self.failures,
+                "batches": self.batches, "pending": self.store.core.copies_pending(t),
+                "free_demotions": c["copy_swaps"][t], "kept_on_promotion": c["copies_kept"][t],
+                "evicted_copies": c["copies_evicted"][t], "copies": c["copies"][t], "failures": self.failures,
                 "disk_full": self.disk_full, "interval_s": self.interval, "max_inflight_bytes": self.max_bytes}
 
 
 def off_stats() -> dict:
-    """``stats()["write_through"]`` of a store without it."""
+    """``stats()["write_through"]`` (or ``["host_write_through"]``) of a store without it."""
     return {"on": False, "copied_pages": 0, "copied_bytes": 0, "batches": 0, "pending": 0, "free_demotions": 0,
             "kept_on_promotion": 0, "evicted_copies": 0, "copies": 0, "failures": 0, "disk_full": 0,
             "interval_s": None, "max_inflight_bytes": None}

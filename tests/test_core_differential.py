@@ -17,11 +17,12 @@ prefetch, background demotion, persisting to disk, restarting from the disk's
 records, with moves that land (with events, handing source slots off or
 freeing them fenced) or fail (slots given back, claims ended, corrupt disk
 pages discarded). Moves can be left in flight across steps, so pages die,
-get published or are needed while claimed. With write-through on (a share
-of the runs with a disk tier, all of test_core_matches_model_write_through)
-it also copies published pages to the disk as the Store does (take_copies,
-disk slots, land_copies or a failure; in flight too) and demotes victims
-onto their copies (swap_to_copies). Every claim made must be settled
+get published or are needed while claimed. With write-through on for the
+host or the disk (a share of the runs with that tier; all of
+test_core_matches_model_write_through and ..._host_write_through) it also
+copies published pages there as the Store does (take_copies, slots,
+land_copies or a failure; in flight too), demotes victims onto their copies
+and sheds the copies among them (swap_to_copies). Every claim made must be settled
 exactly once, and the open claims are exactly those pages hold.
 
 What these tests found in the core's first cut (all fixed since) has a
@@ -154,7 +155,7 @@ CALLS: collections.Counter = collections.Counter()     # calls made, by name and
 
 
 class Pair:
-    def __init__(self, tpb: int, lcs: list, group_of: list, capacity: list, write_through: bool = False) -> None:
+    def __init__(self, tpb: int, lcs: list, group_of: list, capacity: list, write_through: tuple = ()) -> None:
         self.config = (tpb, lcs, group_of, capacity)
         self.write_through = write_through
         self.core = Core(tpb, lcs, group_of, capacity)
@@ -165,8 +166,8 @@ class Pair:
         self.calls = 0
         self.log: collections.deque = collections.deque(maxlen=40)
         self.open_claims: set[int] = set()      # claims made and not settled yet (each settles once)
-        if write_through:               # as the Store sets it up: right after construction
-            self.call("set_write_through", True)
+        for tier in write_through:      # as the Store sets it up: right after construction
+            self.call("set_write_through", tier, True)
 
     def call(self, name: str, *args):
         self.calls += 1
@@ -248,7 +249,8 @@ class Pair:
 
     @staticmethod
     def light_state(side, groups) -> tuple:
-        return (side.clock, side.counters(), side.live_pages(), side.write_through(), side.copies_pending(),
+        return (side.clock, side.counters(), side.live_pages(), side.write_through(HOST), side.write_through(DISK),
+                side.copies_pending(HOST), side.copies_pending(DISK),
                 [(side.free(t, g), side.queue_len(t, g)) for t in range(3) for g in range(groups[t])])
 
     def compare_light(self) -> None:
@@ -421,26 +423,26 @@ class Driver:
         return got + freed[:need]
 
     @property
-    def write_through(self) -> bool:
+    def write_through(self) -> tuple:
         return self.pair.write_through
 
     def evict(self, tier: int, victims: PP, group: int) -> list[int]:
         """Demote (or drop) claimed victims of (tier, group); their slots go to the caller. With
-        write-through, victims bound for the disk that have a copy there take it over first (no
-        bytes move): when a colder tier was full and the victims skip to the disk, only sometimes,
-        so that the rest land on the disk with their copies (which then go)."""
+        write-through, copies among the victims leave and victims with a copy in the next tier
+        take it over first (no bytes move), as the Store does; when a colder tier was full and
+        the victims skip to the disk, only sometimes onto their disk copies, so that the rest land
+        on the disk with their copies (which then go)."""
         nxt = self.next_tier[tier]
         handed: list[int] = []
-        swapped = False
+        first = True
         try:
             while nxt != -1:
-                if (self.write_through and nxt == DISK and not swapped
-                        and (nxt == self.next_tier[tier] or self.rng.random() < 0.5)):
-                    swapped = True
-                    _claims, slots, victims = self.call("swap_to_copies", victims)
+                if self.write_through and (first or self.rng.random() < 0.5):
+                    _claims, slots, victims = self.call("swap_to_copies", victims, nxt)
                     handed += slots
                     if not len(victims):
                         return handed
+                first = False
                 try:
                     slots = self.obtain_many(nxt, self.call("group_counts", victims, nxt))
                 except Failed as exc:
@@ -634,26 +636,27 @@ class Driver:
         if op.kind == "copy":
             for batch, g, slots in op.batches:
                 if slots is not None:
-                    self.call("give_back", DISK, g, slots)
+                    self.call("give_back", op.tier, g, slots)
                 self.call("unclaim", batch)
         else:
             self.call("unclaim", op.pages)
 
     # write-through -------------------------------------------------------------------------------------------
-    def copy_step(self, n: int, leave: int = 0) -> None:
-        """The Store's write-through: claim up to ``n`` queued pages, then per batch (source tier and
-        group, disk group) take disk slots (evicting, copies too), copy and land them, or fail. leave:
-        0 done now; 1 left in flight before its slots are taken; 2 in flight with its slots taken."""
-        pages, claims = self.call("take_copies", n)
+    def copy_step(self, tier: int, n: int, leave: int = 0) -> None:
+        """The Store's write-through to ``tier``: claim up to ``n`` queued pages, then per batch (source
+        tier and group, destination group) take slots (evicting, copies too), copy and land them, or
+        fail. leave: 0 done now; 1 left in flight before its slots are taken; 2 in flight with its
+        slots taken."""
+        pages, claims = self.call("take_copies", tier, n)
         if not len(pages):
             assert claims == []
             return
-        op = Pending("copy", pages, claims, DISK)
-        op.batches = [[batch, g, None] for _t, _g, g, batch in self.call("split_batches", pages, DISK)]
+        op = Pending("copy", pages, claims, tier)
+        op.batches = [[batch, g, None] for _t, _g, g, batch in self.call("split_batches", pages, tier)]
         if leave == 2:
             for entry in list(op.batches):
                 try:
-                    entry[2] = self.obtain(DISK, entry[1], len(entry[0]))
+                    entry[2] = self.obtain(tier, entry[1], len(entry[0]))
                 except Failed:
                     self.call("unclaim", entry[0])
                     op.batches.remove(entry)
@@ -667,20 +670,21 @@ class Driver:
         for batch, g, slots in batches:
             if slots is None:
                 try:
-                    slots = self.obtain(DISK, g, len(batch))
+                    slots = self.obtain(op.tier, g, len(batch))
                 except Failed:
                     self.call("unclaim", batch)
                     continue
             slots = sorted(slots)
             self.call("batch_view", batch)
-            self.call("slot_fences", DISK, g, slots)
-            self.call("disk_records", batch)
+            self.call("slot_fences", op.tier, g, slots)
+            if op.tier == DISK:
+                self.call("disk_records", batch)
             if self.fail_rate and self.rng.random() < self.fail_rate:
-                self.call("give_back", DISK, g, slots)
+                self.call("give_back", op.tier, g, slots)
                 self.call("unclaim", batch)
                 continue
             event = next(self.events) if self.rng.random() < 0.9 else 0
-            self.call("land_copies", batch, g, slots, event)
+            self.call("land_copies", batch, op.tier, g, slots, event)
 
     def persist(self, chunk: int) -> None:
         candidates = self.call("persist_candidates")
@@ -848,7 +852,7 @@ class CoreMachine(RuleBasedStateMachine):
     close) dominates and the rest interleaves with it."""
 
     layout = "full"
-    force_write_through = False         # every run with a disk tier and write-through on
+    force_write_through: tuple = ()     # these tiers in every run, with write-through on
 
     def __init__(self) -> None:
         super().__init__()
@@ -856,11 +860,14 @@ class CoreMachine(RuleBasedStateMachine):
 
     @initialize(tiers=st.sampled_from(TIER_SETS), gpu_blocks=st.integers(4, 10), host=st.integers(2, 10),
                 disk=st.integers(2, 12), seed=st.integers(0, 2 ** 16), fail=st.sampled_from((0.0, 0.1, 0.3)),
-                wt=st.integers(0, 2))
+                wt=st.integers(0, 5))
     def setup(self, tiers, gpu_blocks, host, disk, seed, fail, wt):
+        # write-through (clean copies) to the disk in 2 runs of 3 with a disk tier, to the host in
+        # 1 of 2 with a host tier: all four combinations
+        write_through = tuple(t for t, on in ((HOST, wt % 2), (DISK, wt % 3)) if on and t in tiers)
         if self.force_write_through:
-            tiers, wt = (tiers if DISK in tiers else tiers + (DISK,)), 1
-        write_through = DISK in tiers and wt > 0          # write-through to disk: copies
+            tiers = tuple(sorted(set(tiers) | set(self.force_write_through)))
+            write_through = tuple(sorted(set(write_through) | set(self.force_write_through)))
         self.d = Driver(Pair(*make_config(self.layout, tiers, gpu_blocks, host, disk), write_through=write_through),
                         random.Random(seed), fail)
 
@@ -981,7 +988,8 @@ class CoreMachine(RuleBasedStateMachine):
             self.d.background_demotion(tier, group, data.draw(st.integers(1, 3)))
 
     def op_copy(self, data):
-        self.d.copy_step(data.draw(st.sampled_from((0, 1, 2, 3, 5, 8, 64))), data.draw(st.sampled_from((0, 1, 1, 2))))
+        self.d.copy_step(data.draw(st.sampled_from(self.d.write_through)),
+                         data.draw(st.sampled_from((0, 1, 2, 3, 5, 8, 64))), data.draw(st.sampled_from((0, 1, 1, 2))))
 
     def op_settle(self, data):
         op = data.draw(st.sampled_from(self.d.pending))
@@ -1039,12 +1047,17 @@ class CoreMachine(RuleBasedStateMachine):
                   ("free", 3, 0), ("allocate", GPU, 7, 1), ("is_free", GPU, 0, 10_000), ("pick_victims", 5, 0, 1, 0),
                   ("release_slots", GPU, 0, [10_000], 0), ("open", [b""], 35), ("open", [1 << 127], 35),
                   ("open", [True], 35), ("append_keys", closed, [1]), ("place_extension", closed, 0, {9: []}),
-                  ("extend_now", closed, 1), ("drop_page", 10_000), ("take_copies", -1), ("copy_of", 10_000),
-                  ("land_copies", PP.of([]), 99, [], 0)]
-        if not d.capacity[DISK]:
-            misuse.append(("set_write_through", True))          # no disk tier
-        elif d.pair.core.counters()["copies"]:
-            misuse.append(("set_write_through", False))         # copies exist
+                  ("extend_now", closed, 1), ("drop_page", 10_000), ("take_copies", DISK, -1), ("copy_of", 10_000),
+                  ("take_copies", GPU, 1), ("land_copies", PP.of([]), DISK, 99, [], 0),
+                  ("land_copies", PP.of([]), GPU, 0, [], 0), ("set_write_through", GPU, True),
+                  ("copies_pending", GPU), ("swap_to_copies", PP.of([]), 3)]
+        for t in (HOST, DISK):
+            if not d.capacity[t]:
+                misuse.append(("set_write_through", t, True))   # no such tier
+            elif d.pair.core.counters()["copies"][t]:
+                misuse.append(("set_write_through", t, False))  # copies exist
+            if t not in d.write_through:
+                misuse.append(("take_copies", t, 1))            # write-through off
         for call in data.draw(st.lists(st.sampled_from(misuse), max_size=3)):
             try:
                 d.call(*call)
@@ -1091,7 +1104,16 @@ def test_core_matches_model(layout):
 @pytest.mark.parametrize("layout", ["full", "sink_window", "two_gpu_groups", "mix"])
 def test_core_matches_model_write_through(layout):
     """Clean copies: copies taken, landed, kept on promotion, swapped onto, evicted, waited for."""
-    machine = type(f"CoreMachineWT_{layout}", (CoreMachine,), {"layout": layout, "force_write_through": True})
+    machine = type(f"CoreMachineWT_{layout}", (CoreMachine,), {"layout": layout, "force_write_through": (DISK,)})
+    run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
+
+
+@pytest.mark.parametrize("layout", ["full", "sink_window", "two_gpu_groups", "mix"])
+def test_core_matches_model_host_write_through(layout):
+    """Clean copies in the host tier too (chains of a primary, a host copy and a disk copy): shed
+    when the host evicts them, swapped onto by GPU demotions, kept when a host page is promoted."""
+    machine = type(f"CoreMachineHWT_{layout}", (CoreMachine,),
+                   {"layout": layout, "force_write_through": (HOST, DISK)})
     run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
 
 
@@ -1378,9 +1400,9 @@ def _page_with_a_copy(pair: Pair, key: int) -> int:
     pair.call("extend_now", s, 1)
     assert pair.call("commit", s, 1) == -1
     pair.call("close", s)
-    pages, claims = pair.call("take_copies", 8)
+    pages, claims = pair.call("take_copies", DISK, 8)
     ((_, _, g, batch),) = pair.call("split_batches", pages, DISK)
-    assert pair.call("land_copies", batch, g, pair.call("allocate", DISK, g, 1), 7) == claims
+    assert pair.call("land_copies", batch, DISK, g, pair.call("allocate", DISK, g, 1), 7) == claims
     (pid,) = pages.tolist()
     assert pair.call("copy_of", pid) >= 0
     return pid
@@ -1391,7 +1413,7 @@ def test_a_page_landing_on_disk_loses_its_copy():
     there without swap_to_copies) kept its copy in the core's first cut of write-through: a primary
     on the disk named a copy (check(): "a copy its block's primary does not name") and the block
     held two disk slots. land() now frees the copy."""
-    pair = Pair(2, [FULL], [[0], [0], [0]], [[2], [1], [4]], write_through=True)
+    pair = Pair(2, [FULL], [[0], [0], [0]], [[2], [1], [4]], write_through=(DISK,))
     pid = _page_with_a_copy(pair, 1)
     victims, _ = pair.call("pick_victims", GPU, 0, 1, 0)
     assert victims.tolist() == [pid]
@@ -1399,7 +1421,7 @@ def test_a_page_landing_on_disk_loses_its_copy():
     _, freed = pair.call("land", victims, DISK, 0, pair.call("allocate", DISK, 0, 1), 8, True)
     pair.call("release_slots", GPU, 0, freed, 0)                    # the victim's GPU slot, handed over
     assert pair.call("copy_of", pid) == -1 and pair.call("free", DISK, 0) == before
-    assert pair.call("counters")["copies"] == 0
+    assert pair.call("counters")["copies"] == (0, 0, 0)
     pair.compare_full((), [1])
     assert pair.check_result() is None
 
@@ -1408,18 +1430,18 @@ def test_a_page_landing_on_disk_while_its_copy_is_dropped():
     """The copy is claimed by the disk's eviction (a drop in flight, such as a write-back) when its
     primary is demoted: swap_to_copies leaves it to move, and it lands on the disk. Its copy goes
     at once and keeps its slot for the drop, which hands it over."""
-    pair = Pair(2, [FULL], [[0], [-1], [0]], [[2], [], [4]], write_through=True)
+    pair = Pair(2, [FULL], [[0], [-1], [0]], [[2], [], [4]], write_through=(DISK,))
     pid = _page_with_a_copy(pair, 1)
     copy = pair.call("copy_of", pid)
     drops, _ = pair.call("pick_victims", DISK, 0, 1, 0)           # the copy: its drop in flight
     assert drops.tolist() == [copy]
     victims, _ = pair.call("pick_victims", GPU, 0, 1, 0)
-    claims, slots, rest = pair.call("swap_to_copies", victims)
+    claims, slots, rest = pair.call("swap_to_copies", victims, DISK)
     assert (claims, slots, rest.tolist()) == ([], [], [pid])
     _, freed = pair.call("land", rest, DISK, 0, pair.call("allocate", DISK, 0, 1), 8, True)
     pair.call("release_slots", GPU, 0, freed, 0)
     assert pair.call("copy_of", pid) == -1 and pair.call("page_info", copy)["dead"]
-    assert pair.call("counters")["copies"] == 0
+    assert pair.call("counters")["copies"] == (0, 0, 0)
     slot = pair.call("page_info", copy)["slot"]
     assert pair.call("drop_victims", DISK, drops)[1] == [slot]     # the copy's slot, to the drop's caller
     pair.call("release_slots", DISK, 0, [slot], 0)
@@ -1432,21 +1454,21 @@ def test_copy_claim_minus_one_is_settled():
     """The first copy claim is -1, which end_claims used as its "no claim yet" mark: landing or
     failing that batch settled nothing, and a Store future on it (an acquire of a host page
     being copied waits for it) would never have resolved."""
-    pair = Pair(2, [FULL], [[0], [0], [0]], [[2], [2], [4]], write_through=True)
+    pair = Pair(2, [FULL], [[0], [0], [0]], [[2], [2], [4]], write_through=(DISK,))
     s, _, _ = pair.call("open", [1, 2], 35)
     pair.call("extend_now", s, 2)
     assert pair.call("commit", s, 2) == -1
     pair.call("close", s)
-    pages, claims = pair.call("take_copies", 1)
+    pages, claims = pair.call("take_copies", DISK, 1)
     assert claims == [-1] and len(pages) == 1
     assert pair.call("unclaim", pages) == [-1]                     # a failed copy
-    pages, claims = pair.call("take_copies", 1)                    # the other page
+    pages, claims = pair.call("take_copies", DISK, 1)                    # the other page
     assert claims == [-2]
-    assert pair.call("land_copies", pages, 0, pair.call("allocate", DISK, 0, 1), 3) == [-2]
-    assert pair.call("copies_pending") == 1                       # the failed one is tried again
-    pages, claims = pair.call("take_copies", 4)
+    assert pair.call("land_copies", pages, DISK, 0, pair.call("allocate", DISK, 0, 1), 3) == [-2]
+    assert pair.call("copies_pending", DISK) == 1                       # the failed one is tried again
+    pages, claims = pair.call("take_copies", DISK, 4)
     assert claims == [-3] and len(pages) == 1
-    assert pair.call("land_copies", pages, 0, pair.call("allocate", DISK, 0, 1), 4) == [-3]
-    assert pair.call("copies_pending") == 0 and pair.call("counters")["copies"] == 2
+    assert pair.call("land_copies", pages, DISK, 0, pair.call("allocate", DISK, 0, 1), 4) == [-3]
+    assert pair.call("copies_pending", DISK) == 0 and pair.call("counters")["copies"] == (0, 0, 2)
     pair.compare_full((), [1, 2])
     assert pair.check_result() is None

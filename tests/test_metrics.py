@@ -331,11 +331,11 @@ async def test_write_through_figures_match_store_stats(tmp_path):
         samples, _ = scrape(registry)
         wt = store.stats()["write_through"]
         assert wt["copied_pages"] > 0 and wt["free_demotions"] > 0
-        assert samples[("kvtier_write_through_pages_total", ())] == wt["copied_pages"]
-        assert samples[("kvtier_write_through_bytes_total", ())] == wt["copied_bytes"]
-        assert samples[("kvtier_write_through_copies", ())] == wt["copies"]
-        assert samples[("kvtier_write_through_pending", ())] == wt["pending"] == 0
-        assert samples[("kvtier_write_through_free_demotions_total", ())] == wt["free_demotions"]
+        assert samples[("kvtier_write_through_pages_total", (("tier", "disk"),))] == wt["copied_pages"]
+        assert samples[("kvtier_write_through_bytes_total", (("tier", "disk"),))] == wt["copied_bytes"]
+        assert samples[("kvtier_write_through_copies", (("tier", "disk"),))] == wt["copies"]
+        assert samples[("kvtier_write_through_pending", (("tier", "disk"),))] == wt["pending"] == 0
+        assert samples[("kvtier_write_through_free_demotions_total", (("tier", "disk"),))] == wt["free_demotions"]
     async with Store.open(config(gpu=4)) as store:     # write-back: no such family
         await fill(store, toks(1, 2))
         registry = CollectorRegistry()

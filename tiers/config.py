@@ -93,24 +93,46 @@ class GpuConfig(TierConfig):
 
 
 @dataclasses.dataclass(slots=True)
-class HostConfig(TierConfig):
+class ColdTierConfig(TierConfig):
+    """A tier below the GPU, with its write policy. "back": a page reaches the tier when the tier
+    above evicts it (the disk: or at a clean close). "through": committed pages are also copied
+    down in the background (clean copies), so that demoting a page that has its copy moves no
+    bytes, and (the disk) a SIGKILL loses at most the commits of the last write_interval."""
+
+    write: str = "back"
+    write_interval: float | str = 0.05      # write-through: seconds (or "50ms") between batches, at most
+    max_inflight_bytes: int | str = "64MiB"  # write-through: bytes being copied at once
+
+    def resolve_write(self, field: str) -> None:
+        if self.write not in ("back", "through"):
+            raise ConfigError(f"{field}.write", f"expected 'back' or 'through', got {self.write!r}")
+        bad = ConfigError(f"{field}.write_interval", "expected a duration above 0 and at most 60 s, such as "
+                                                     f"'50ms', '1s' or 0.05 (seconds), got {self.write_interval!r}")
+        try:
+            ms = _duration_ms(self.write_interval, f"{field}.write_interval")
+        except ConfigError:
+            raise bad from None
+        if ms is None or ms > 60_000:
+            raise bad
+        self.write_interval = ms / 1000
+        self.max_inflight_bytes = parse_size(self.max_inflight_bytes, f"{field}.max_inflight_bytes")
+        if self.max_inflight_bytes <= 0:
+            raise ConfigError(f"{field}.max_inflight_bytes", "must be positive")
+
+
+@dataclasses.dataclass(slots=True)
+class HostConfig(ColdTierConfig):
     codec: str = "concat"           # default cold-page codec of layers that name none
     pinned: bool | None = None      # None: pinned exactly when CUDA is used
 
 
 @dataclasses.dataclass(slots=True)
-class DiskConfig(TierConfig):
+class DiskConfig(ColdTierConfig):
     path: str = ""
     on_mismatch: str = "error"      # "error" or "wipe" when the directory holds another layout
     o_direct: str = "auto"          # "auto" (probe), "on", "off"
     min_free: int | str | None = None   # keep this much free on the filesystem
     fsync: bool = True              # durability barriers; off only for throwaway experiments
-    # "back": a page reaches the disk when the host evicts it (or at a clean close). "through": committed
-    # pages are also copied down in the background (clean copies), so a SIGKILL loses at most the commits
-    # of the last write_interval, and demoting a page that has its copy moves no bytes.
-    write: str = "back"
-    write_interval: float | str = 0.05      # write-through: seconds (or "50ms") between batches, at most
-    max_inflight_bytes: int | str = "64MiB"  # write-through: bytes being copied at once
 
 
 @dataclasses.dataclass(slots=True)
@@ -204,6 +226,7 @@ class StoreConfig:
             raise ConfigError("tiers.gpu.device", f"unknown device {self.gpu.device!r} (auto, cuda, cuda:N, cpu)")
         if self.host is not None:
             self.host.resolve("tiers.host")
+            self.host.resolve_write("tiers.host")
         if self.disk is not None:
             self.disk.resolve("tiers.disk")
             if not self.disk.path:
@@ -216,20 +239,7 @@ class StoreConfig:
                 raise ConfigError("tiers.disk.on_mismatch", f"expected 'error' or 'wipe', got {self.disk.on_mismatch!r}")
             if self.disk.o_direct not in ("auto", "on", "off"):
                 raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {self.disk.o_direct!r}")
-            if self.disk.write not in ("back", "through"):
-                raise ConfigError("tiers.disk.write", f"expected 'back' or 'through', got {self.disk.write!r}")
-            bad = ConfigError("tiers.disk.write_interval", "expected a duration above 0 and at most 60 s, such as "
-                                                           f"'50ms', '1s' or 0.05 (seconds), got {self.disk.write_interval!r}")
-            try:
-                ms = _duration_ms(self.disk.write_interval, "tiers.disk.write_interval")
-            except ConfigError:
-                raise bad from None
-            if ms is None or ms > 60_000:
-                raise bad
-            self.disk.write_interval = ms / 1000
-            self.disk.max_inflight_bytes = parse_size(self.disk.max_inflight_bytes, "tiers.disk.max_inflight_bytes")
-            if self.disk.max_inflight_bytes <= 0:
-                raise ConfigError("tiers.disk.max_inflight_bytes", "must be positive")
+            self.disk.resolve_write("tiers.disk")
             if self.disk.min_free is not None:
                 self.disk.min_free = parse_size(self.disk.min_free, "tiers.disk.min_free")
                 st = os.statvfs(self.disk.path)

@@ -311,22 +311,22 @@ NB_MODULE(_core, m) {
              auto r = c.drop_victims(tier, ids(c, p));
              return nb::make_tuple(r.claims, r.slots);
            })
-      // -- clean copies (write-through to disk)
-      .def("set_write_through", &Core::set_write_through)
-      .def("write_through", &Core::write_through)
-      .def("copies_pending", &Core::copies_pending)
-      .def("take_copies", [](Core& c, int32_t max_pages) {
+      // -- clean copies (write-through to the host or the disk)
+      .def("set_write_through", &Core::set_write_through, "tier"_a, "on"_a)
+      .def("write_through", &Core::write_through, "tier"_a)
+      .def("copies_pending", &Core::copies_pending, "tier"_a)
+      .def("take_copies", [](Core& c, int tier, int32_t max_pages) {
              if (max_pages < 0) throw nb::value_error("max_pages must not be negative");
              Ids claims;
-             Ids pages = c.take_copies(max_pages, claims);
+             Ids pages = c.take_copies(tier, max_pages, claims);
              return nb::make_tuple(Pages{std::move(pages)}, claims);
+           }, "tier"_a, "max_pages"_a)
+      .def("land_copies", [](Core& c, const Pages& p, int tier, int32_t group, const Ids& slots, int32_t event) {
+             return c.land_copies(ids(c, p), tier, group, slots, event);
            })
-      .def("land_copies", [](Core& c, const Pages& p, int32_t group, const Ids& slots, int32_t event) {
-             return c.land_copies(ids(c, p), group, slots, event);
-           })
-      .def("swap_to_copies", [](Core& c, const Pages& p) {
+      .def("swap_to_copies", [](Core& c, const Pages& p, int dst_tier) {
              kvtier::Settled out;
-             Ids rest = c.swap_to_copies(ids(c, p), out);
+             Ids rest = c.swap_to_copies(ids(c, p), dst_tier, out);
              return nb::make_tuple(out.claims, out.slots, Pages{std::move(rest)});
            })
       .def("persist_anchors", [](const Core& c, const std::vector<Pages>& candidates) {
@@ -526,11 +526,12 @@ NB_MODULE(_core, m) {
              d["recovered"] = k.recovered;
              d["orphaned"] = k.orphaned;
              d["discarded"] = k.discarded;
-             d["copies_made"] = k.copies_made;
-             d["copies_kept"] = k.copies_kept;
-             d["copy_swaps"] = k.copy_swaps;
-             d["copies_evicted"] = k.copies_evicted;
-             d["copies"] = k.copies;
+             // the copy counters per tier of the copy, as hits: (gpu, host, disk)
+             d["copies_made"] = nb::make_tuple(k.copies_made[0], k.copies_made[1], k.copies_made[2]);
+             d["copies_kept"] = nb::make_tuple(k.copies_kept[0], k.copies_kept[1], k.copies_kept[2]);
+             d["copy_swaps"] = nb::make_tuple(k.copy_swaps[0], k.copy_swaps[1], k.copy_swaps[2]);
+             d["copies_evicted"] = nb::make_tuple(k.copies_evicted[0], k.copies_evicted[1], k.copies_evicted[2]);
+             d["copies"] = nb::make_tuple(k.copies[0], k.copies[1], k.copies[2]);
              return d;
            })
       .def("state_counts", &Core::state_counts)

@@ -105,7 +105,7 @@ int32_t Core::new_page(int32_t block, int lc, int tier, int group, int32_t slot,
   p.priority = uint8_t(priority);
   set_block(id, block);
   owners_[tier][group][slot] = id;
-  if (wt_on_ && copy_of_.size() < pt_.pages.size()) copy_of_.resize(pt_.pages.size(), -1);
+  if (any_write_through() && copy_of_.size() < pt_.pages.size()) copy_of_.resize(pt_.pages.size(), -1);
   return id;
 }
 
@@ -113,10 +113,11 @@ void Core::touch(int32_t id) {
   Page& p = pt_[id];
   p.stamp = ++clock_;
   if (p.queued) queues_[p.tier][p.group].touch(pt_, id);
-  if (has_copy(id)) {                 // a copy is as recent as its primary: the disk keeps hot prefixes
-    Page& c = pt_[copy_of_[size_t(id)]];
-    c.stamp = p.stamp;
-    if (c.queued) queues_[DISK][c.group].touch(pt_, copy_of_[size_t(id)]);
+  // a copy is as recent as its primary: the cold tiers keep hot prefixes
+  for (int32_t c = copy_of(id); c >= 0; c = copy_of(c)) {
+    Page& cp = pt_[c];
+    cp.stamp = p.stamp;
+    if (cp.queued) queues_[cp.tier][cp.group].touch(pt_, c);
   }
 }
 
@@ -634,9 +635,9 @@ void Core::release(int32_t s, int32_t event) {
     if (event && p.tier == GPU) p.ready = event;
     --p.locks;
     // write-through: a published page's bytes are final once a sequence that held it releases it
-    if (wt_on_ && p.published && !p.dead && p.tier != DISK && !has_copy(id)) {
+    if (any_write_through() && p.published && !p.dead) {
       p.copy_ready = true;
-      wt_pending_.push_back(id);
+      queue_copy(id);
     }
   }
   queue_all(locked);
@@ -1038,9 +1039,9 @@ void Core::relabel_later(const Ids& pages) {
 }
 
 Ids Core::unclaim(const Ids& pages) {
-  if (wt_on_)                                      // a copy that failed is tried again later
+  if (any_write_through())                         // a copy that failed is tried again later
     for (int32_t id : pages)
-      if (pt_[id].claim < 0) wt_pending_.push_back(id);
+      if (pt_[id].claim < 0) queue_copy(id);
   Ids live;
   Ids settled = end_claims(pages, live);
   queue_all(live);
@@ -1087,9 +1088,8 @@ Settled Core::drop_victims(int tier, const Ids& victims) {
     if (p.dead) {
       maybe_recycle(id);
     } else if (p.copy) {                           // its primary stays: only the copy leaves
-      copy_of_[size_t(index_.page(p.block, p.lc))] = -1;
-      ++counters_.copies_evicted;
-      --counters_.copies;
+      unlink_copy(id);
+      ++counters_.copies_evicted[p.tier];
       p.dead = true;
       maybe_recycle(id);
     } else {
@@ -1144,13 +1144,13 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
   freed.reserve(batch.size());
   Ids& src_owners = owners_[src_tier][src_group];
   Ids& dst_owners = owners_[dst_tier][dst_group];
-  // write-through: a published page promoted from the disk keeps its disk slot as a clean copy
-  bool keep = wt_on_ && src_tier == DISK && !handoff;
+  // write-through: a published page promoted from a cold tier keeps its slot there as a clean copy
+  bool keep = write_through(src_tier) && dst_tier < src_tier && !handoff;
   Ids kept;
   for (size_t i = 0; i < batch.size(); ++i) {
-    // a page that itself lands on the disk needs no copy there (one whose copy was claimed by a drop
-    // in flight, or not swapped onto): its copy goes, as the invariants want no primary on the disk
-    if (dst_tier == DISK && has_copy(batch[i])) free_copy(batch[i]);
+    // a page that lands where (or colder than) its chain has a copy (one claimed by a drop in flight,
+    // or not swapped onto) needs it no more: it goes, as the chain must only grow colder
+    if (has_copy(batch[i]) && pt_[copy_of_[size_t(batch[i])]].tier <= dst_tier) free_copies(batch[i], dst_tier);
     Page& p = pt_[batch[i]];
     src_owners[p.slot] = -1;
     // (not one published while claimed: its disk record is still anonymous, a copy recovery would forget)
@@ -1171,15 +1171,14 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
   for (size_t i = 0; i < kept.size(); i += 2) {
     int32_t id = kept[i];
     int32_t block = pt_[id].block, lc = pt_[id].lc, prio = pt_[id].priority;
-    int32_t c = new_page(block, lc, DISK, src_group, kept[i + 1], prio);
+    int32_t c = new_page(block, lc, src_tier, src_group, kept[i + 1], prio);
     Page& cp = pt_[c];
     cp.copy = true;
     cp.stamp = pt_[id].stamp;
     cp.ready = event;                              // the slot's last reader: this move
-    copy_of_[size_t(id)] = c;
-    ++counters_.copies_kept;
-    ++counters_.copies;
-    queues_[DISK][src_group].push(pt_, c);
+    link_copy(id, c);
+    ++counters_.copies_kept[src_tier];
+    queues_[src_tier][src_group].push(pt_, c);
   }
   if (src_tier == DISK && !freed.empty()) disk_frees_.push_back({src_group, freed});
   if (handoff) {                                   // the caller's next writer waits on this batch's reads
@@ -1199,15 +1198,22 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
 
 // -- clean copies ------------------------------------------------------------------------
 
-void Core::set_write_through(bool on) {
-  require(!on || !allocs_[DISK].empty(), "write-through needs a disk tier");
-  if (!on) require(counters_.copies == 0, "write-through cannot be turned off while copies exist");
-  wt_on_ = on;
+void Core::set_write_through(int tier, bool on) {
+  require(cold_tier(tier), "write-through is for the host or the disk tier");
+  require(!on || !allocs_[tier].empty(), "write-through needs the tier");
+  if (!on) require(counters_.copies[tier] == 0, "write-through cannot be turned off while copies exist");
+  WriteThroughQueue& w = wt_[tier];
+  w.on = on;
   if (!on) {
-    wt_pending_.clear();
-    wt_head_ = 0;
+    w.pending.clear();
+    w.head = 0;
   }
   if (on && copy_of_.size() < pt_.pages.size()) copy_of_.resize(pt_.pages.size(), -1);
+}
+
+size_t Core::copies_pending(int tier) const {
+  require(cold_tier(tier), "write-through is for the host or the disk tier");
+  return wt_[tier].pending.size() - wt_[tier].head;
 }
 
 int32_t Core::next_copy_claim() {
@@ -1215,81 +1221,114 @@ int32_t Core::next_copy_claim() {
   return copy_claim_counter_;
 }
 
-void Core::free_copy(int32_t primary) {
-  int32_t c = copy_of_[size_t(primary)];
-  copy_of_[size_t(primary)] = -1;
-  --counters_.copies;
-  free_page(c);                        // a copy claimed by a drop in flight keeps its slot for that drop
+int32_t Core::copy_in(int32_t primary, int tier) const {
+  for (int32_t c = copy_of(primary); c >= 0; c = copy_of(c))
+    if (pt_[c].tier == tier) return c;
+  return -1;
 }
 
-Ids Core::take_copies(int32_t max_pages, Ids& claims) {
+void Core::link_copy(int32_t primary, int32_t c) {
+  int32_t prev = primary;
+  while (copy_of(prev) >= 0 && pt_[copy_of_[size_t(prev)]].tier < pt_[c].tier) prev = copy_of_[size_t(prev)];
+  copy_of_[size_t(c)] = copy_of_[size_t(prev)];
+  copy_of_[size_t(prev)] = c;
+  ++counters_.copies[pt_[c].tier];
+}
+
+void Core::unlink_copy(int32_t c) {
+  int32_t prev = index_.page(pt_[c].block, pt_[c].lc);
+  while (prev >= 0 && copy_of_[size_t(prev)] != c) prev = copy_of(prev);
+  require(prev >= 0, "unlink_copy: a copy that is in no chain");
+  copy_of_[size_t(prev)] = copy_of_[size_t(c)];
+  copy_of_[size_t(c)] = -1;
+  --counters_.copies[pt_[c].tier];
+}
+
+void Core::free_copies(int32_t primary, int tier) {
+  int32_t c = copy_of(primary);
+  while (c >= 0 && pt_[c].tier <= tier) {
+    int32_t next = copy_of_[size_t(c)];
+    unlink_copy(c);
+    free_page(c);                      // a copy claimed by a drop in flight keeps its slot for that drop
+    c = next;
+  }
+}
+
+void Core::queue_copy(int32_t id) {
+  for (int t : {int(HOST), int(DISK)})
+    if (wt_[t].on && pt_[id].tier < t && copy_in(id, t) < 0) wt_[t].pending.push_back(id);
+}
+
+Ids Core::take_copies(int tier, int32_t max_pages, Ids& claims) {
+  require(write_through(tier), "take_copies: write-through is off for that tier");
   claims.clear();
   Ids taken;
-  // A FIFO from wt_head_: each entry is looked at once per call at most (a busy one goes to the
+  WriteThroughQueue& w = wt_[tier];
+  // A FIFO from w.head: each entry is looked at once per call at most (a busy one goes to the
   // back), so taking everything costs what is pending, not its square.
-  for (size_t budget = wt_pending_.size() - wt_head_; budget > 0 && int32_t(taken.size()) < max_pages; --budget) {
-    int32_t id = wt_pending_[wt_head_++];
+  for (size_t budget = w.pending.size() - w.head; budget > 0 && int32_t(taken.size()) < max_pages; --budget) {
+    int32_t id = w.pending[w.head++];
     if (!valid_page(id)) continue;
     Page& p = pt_[id];
-    // gone, or on the disk already; or not copy_ready: a stale entry whose id was recycled into a
-    // page its writer may still be filling (that page is queued when released)
-    if (!p.in_use() || p.dead || !p.published || p.copy || !p.copy_ready || p.tier == DISK || has_copy(id) ||
-        p.block < 0 || index_.page(p.block, p.lc) != id)
+    // gone, or in the tier (or colder) already, or copied there; or not copy_ready: a stale entry
+    // whose id was recycled into a page its writer may still be filling (queued when released)
+    if (!p.in_use() || p.dead || !p.published || p.copy || !p.copy_ready || p.tier >= tier ||
+        copy_in(id, tier) >= 0 || p.block < 0 || index_.page(p.block, p.lc) != id)
       continue;
     if (p.claim) {                                 // moving: try again later
-      wt_pending_.push_back(id);
+      w.pending.push_back(id);
       continue;
     }
     taken.push_back(id);
     p.claim = -1;                                  // a placeholder: a duplicate entry now reads as busy
   }
-  if (wt_head_ >= 1024 && 2 * wt_head_ >= wt_pending_.size()) {
-    wt_pending_.erase(wt_pending_.begin(), wt_pending_.begin() + std::ptrdiff_t(wt_head_));
-    wt_head_ = 0;
+  if (w.head >= 1024 && 2 * w.head >= w.pending.size()) {
+    w.pending.erase(w.pending.begin(), w.pending.begin() + std::ptrdiff_t(w.head));
+    w.head = 0;
   }
   for (int32_t id : taken) pt_[id].claim = 0;     // the placeholders go: real copy claims, as claim() makes them
-  claims = claim_batches(taken, group_of_[DISK], true);
+  claims = claim_batches(taken, group_of_[tier], true);
   return taken;
 }
 
-int64_t Core::disk_stamp(int32_t b, int lc) const {
+int64_t Core::tier_stamp(int32_t b, int lc, int tier) const {
   if (b < 0) return INT64_MAX;
   int32_t id = index_.page(b, lc);
   if (id < 0) return INT64_MAX;
-  if (pt_[id].tier == DISK) return pt_[id].stamp;
-  return has_copy(id) ? pt_[copy_of_[size_t(id)]].stamp : INT64_MAX;
+  if (pt_[id].tier == tier) return pt_[id].stamp;
+  int32_t c = copy_in(id, tier);
+  return c >= 0 ? pt_[c].stamp : INT64_MAX;
 }
 
-Ids Core::land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t event) {
+Ids Core::land_copies(const Ids& batch, int tier, int32_t group, const Ids& slots, int32_t event) {
   require(batch.size() == slots.size(), "land_copies: one slot per page");
-  require(group >= 0 && group < n_groups(DISK), "land_copies: no such disk group");
+  require(cold_tier(tier) && group >= 0 && group < n_groups(tier), "land_copies: no such cold tier and group");
   for (size_t i = 0; i < batch.size(); ++i) {
     int32_t s = slots[i];
-    require(s >= 0 && s < allocs_[DISK][group].capacity() && !allocs_[DISK][group].is_free(s) &&
-                owners_[DISK][group][s] < 0,
+    require(s >= 0 && s < allocs_[tier][group].capacity() && !allocs_[tier][group].is_free(s) &&
+                owners_[tier][group][s] < 0,
             "land_copies: a slot that is not allocated, or owned");
     require(pt_[batch[i]].claim < 0, "land_copies: a page without a copy claim");
   }
   for (size_t i = 0; i < batch.size(); ++i) {
     int32_t id = batch[i];
     const Page& p = pt_[id];
-    if (!p.dead && p.published && p.tier != DISK && p.block >= 0 && index_.page(p.block, p.lc) == id &&
-        !has_copy(id) && group_of_[DISK][p.lc] == group) {
+    if (!p.dead && p.published && p.tier < tier && p.block >= 0 && index_.page(p.block, p.lc) == id &&
+        copy_in(id, tier) < 0 && group_of_[tier][p.lc] == group) {
       int32_t block = p.block, lc = p.lc, prio = p.priority;
-      // never newer than what its parent has on the disk: the disk evicts a child's copy before
+      // never newer than what its parent has in the tier: the tier evicts a child's copy before
       // its parent's (a new block is stamped after its matched prefix until that is touched again)
-      int64_t stamp = std::min(p.stamp, disk_stamp(index_.blocks[block].parent, lc));
-      int32_t c = new_page(block, lc, DISK, group, slots[i], prio);
+      int64_t stamp = std::min(p.stamp, tier_stamp(index_.blocks[block].parent, lc, tier));
+      int32_t c = new_page(block, lc, tier, group, slots[i], prio);
       Page& cp = pt_[c];
       cp.copy = true;
       cp.stamp = stamp;
       cp.ready = event;
-      copy_of_[size_t(id)] = c;
-      ++counters_.copies_made;
-      ++counters_.copies;
-      queues_[DISK][group].push(pt_, c);
+      link_copy(id, c);
+      ++counters_.copies_made[tier];
+      queues_[tier][group].push(pt_, c);
     } else {
-      release_slot(DISK, group, slots[i], event);
+      release_slot(tier, group, slots[i], event);
     }
   }
   Ids live;
@@ -1299,14 +1338,19 @@ Ids Core::land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t
   return settled;
 }
 
-Ids Core::swap_to_copies(const Ids& victims, Settled& out) {
+Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
+  require(dst_tier >= 0 && dst_tier < kTiers, "swap_to_copies: no such tier");
   out.claims.clear();
   out.slots.clear();
-  Ids rest, moved;
+  Ids rest, done;                                   // done: victims swapped onto a copy, or copies shed
   for (int32_t id : victims) {
     Page& p = pt_[id];
-    int32_t c = has_copy(id) ? copy_of_[size_t(id)] : -1;
-    if (c < 0 || p.dead || pt_[c].claim || p.tier == DISK) {
+    int32_t c = -1;                                 // the copy a primary swaps onto
+    if (!p.dead && !p.copy && p.tier < dst_tier) {
+      c = copy_in(id, dst_tier);
+      if (c >= 0 && pt_[c].claim) c = -1;
+    }
+    if (p.dead || (!p.copy && c < 0)) {
       rest.push_back(id);
       continue;
     }
@@ -1314,36 +1358,53 @@ Ids Core::swap_to_copies(const Ids& victims, Settled& out) {
     owners_[p.tier][p.group][p.slot] = -1;
     allocs_[p.tier][p.group].set_fence(p.slot, p.ready);   // its next owner waits on the page's last copy
     out.slots.push_back(p.slot);
+    done.push_back(id);
+    if (p.copy) {                                   // a clean copy leaves; its primary stays
+      unlink_copy(id);
+      ++counters_.copies_evicted[p.tier];
+      continue;
+    }
     if (kv_events_.on && p.published) note(KV_REMOVED, id);
     Page& cp = pt_[c];
     unqueue(c);
-    p.tier = DISK;
+    unlink_copy(c);
+    free_copies(id, dst_tier);                      // copies warmer than its new tier (skipped to the disk)
+    p.tier = cp.tier;
     p.group = cp.group;
     p.slot = cp.slot;
     p.ready = cp.ready;
-    owners_[DISK][p.group][p.slot] = id;
-    copy_of_[size_t(id)] = -1;
+    owners_[p.tier][p.group][p.slot] = id;
     cp.dead = true;
     set_block(c, -1);
     pt_.recycle(c);
-    ++counters_.copy_swaps;
-    --counters_.copies;
-    moved.push_back(id);
+    ++counters_.copy_swaps[p.tier];
   }
-  if (moved.empty()) return rest;
-  if (kv_events_.on) note_arrivals(moved);
+  if (done.empty()) return rest;
+  if (kv_events_.on) {
+    Ids moved;
+    for (int32_t id : done)
+      if (!pt_[id].copy) moved.push_back(id);
+    if (!moved.empty()) note_arrivals(moved);
+  }
   Ids still;                                        // claims a victim still to move holds stay open
   for (int32_t id : rest)
     if (pt_[id].claim && std::find(still.begin(), still.end(), pt_[id].claim) == still.end()) still.push_back(pt_[id].claim);
-  Ids order(moved);
+  Ids order(done);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return pt_[a].stamp < pt_[b].stamp; });
+  Ids moved;
   for (int32_t id : order) {
     Page& p = pt_[id];
     if (std::find(still.begin(), still.end(), p.claim) == still.end() &&
         std::find(out.claims.begin(), out.claims.end(), p.claim) == out.claims.end())
       out.claims.push_back(p.claim);
     p.claim = 0;
-    if (!p.queued && evictable(p)) queues_[DISK][p.group].push(pt_, id);
+    if (p.copy) {
+      p.dead = true;
+      maybe_recycle(id);
+      continue;
+    }
+    moved.push_back(id);
+    if (!p.queued && evictable(p)) queues_[p.tier][p.group].push(pt_, id);
   }
   relabel_later(moved);
   return rest;
@@ -1398,7 +1459,7 @@ bool Core::reaches_disk(int32_t b, const std::vector<uint8_t>& chosen, std::vect
       int32_t id = index_.page(*it, lc);
       if (id < 0) continue;
       const Page& p = pt_[id];
-      bool there = !p.dead && (p.tier == DISK || has_copy(id) || chosen[size_t(id)]);
+      bool there = !p.dead && (p.tier == DISK || copy_in(id, DISK) >= 0 || chosen[size_t(id)]);
       any = any || there;
       if (!there && lcs_[lc].prefix_critical(blk.depth, tpb_)) critical = false;
     }
@@ -1422,7 +1483,7 @@ std::vector<Ids> Core::persist_candidates() const {
         if (id < 0) continue;
         const Page& p = pt_[id];
         if (p.block < 0 || !index_.blocks[p.block].indexed || index_.page(p.block, p.lc) != id) continue;
-        if (!p.dead && p.published && !p.claim && !p.locks && !has_copy(id)) {
+        if (!p.dead && p.published && !p.claim && !p.locks && copy_in(id, DISK) < 0) {
           pending.push_back(id);
           chosen[size_t(id)] = 1;
         }
@@ -1472,7 +1533,7 @@ Ids Core::persist_anchors(const std::vector<Ids>& candidates) const {
       for (int lc = 0; lc < n_lcs(); ++lc) {
         int32_t q = index_.page(x, lc);
         if (q < 0 || pt_[q].dead) continue;
-        int32_t d = pt_[q].tier == DISK ? q : has_copy(q) ? copy_of_[size_t(q)] : -1;
+        int32_t d = pt_[q].tier == DISK ? q : copy_in(q, DISK);
         if (d >= 0 && pt_[d].queued) out.push_back(d);
       }
     }
@@ -1482,7 +1543,7 @@ Ids Core::persist_anchors(const std::vector<Ids>& candidates) const {
       if (valid_page(id) && pt_[id].in_use() && pt_[id].block >= 0) climb(pt_[id].block);
   // Under write-through the disk also holds copies of hot pages, interleaved in recency with the
   // rest: the ancestors of every disk page are pinned too, so that making room takes leaves.
-  if (wt_on_)
+  if (wt_[DISK].on)
     for (const Ids& o : owners_[DISK])
       for (int32_t id : o)
         if (id >= 0 && pt_[id].block >= 0) climb(pt_[id].block);
@@ -1498,7 +1559,7 @@ Ids Core::still_persistable(const Ids& pages, int32_t group) const {
     const Page& p = pt_[id];
     // the id may have been recycled since the candidates were taken: still the index's page?
     if (p.in_use() && !p.dead && !p.claim && p.tier != DISK && p.published && p.block >= 0 &&
-        index_.page(p.block, p.lc) == id && group_of_[DISK][p.lc] == group && !has_copy(id))
+        index_.page(p.block, p.lc) == id && group_of_[DISK][p.lc] == group && copy_in(id, DISK) < 0)
       out.push_back(id);
   }
   return out;
@@ -1667,7 +1728,7 @@ size_t Core::live_blocks() const {
 size_t Core::memory_bytes() const {
   size_t n = pt_.pages.capacity() * sizeof(Page) + index_.blocks.capacity() * sizeof(Block) +
              index_.pages.capacity() * sizeof(int32_t) + index_.table_bytes() + kv_events_.memory_bytes() +
-             (copy_of_.capacity() + wt_pending_.capacity()) * sizeof(int32_t);
+             (copy_of_.capacity() + wt_[HOST].pending.capacity() + wt_[DISK].pending.capacity()) * sizeof(int32_t);
   for (auto& t : owners_)
     for (auto& o : t) n += o.capacity() * sizeof(int32_t);
   return n;
@@ -1704,11 +1765,10 @@ void Core::check() const {
         require(p.tier == t && p.group == int(g) && p.slot == s, "a page is misfiled");
         require((p.queued != NOT_QUEUED) == evictable(p), "queue membership differs from evictability");
         if (p.copy) {
-          require(t == DISK && !p.published && !p.holders && !p.locks, "a copy outside the disk, or held");
+          require(cold_tier(t) && !p.published && !p.holders && !p.locks, "a copy outside the cold tiers, or held");
           require(p.block >= 0 && index_.blocks[p.block].indexed, "a copy of a block that is not indexed");
           int32_t primary = index_.page(p.block, p.lc);
-          require(primary >= 0 && copy_of(primary) == id && pt_[primary].tier != DISK,
-                  "a copy its block's primary does not name");
+          require(primary >= 0 && copy_in(primary, t) == id, "a copy its block's chain does not name");
         }
         queued += p.queued != NOT_QUEUED;
       }
@@ -1729,7 +1789,14 @@ void Core::check() const {
       if (id < 0) continue;
       const Page& p = pt_[id];
       require(p.in_use() && p.published && !p.dead && !p.copy, "an index page is unpublished, dead or a copy");
-      if (has_copy(id)) require(pt_[copy_of_[size_t(id)]].copy && !pt_[copy_of_[size_t(id)]].dead, "a primary names no live copy");
+      int copies = 0;
+      for (int32_t prev = id, c = copy_of(id); c >= 0; prev = c, c = copy_of(c), ++copies) {
+        const Page& cp = pt_[c];
+        require(cp.in_use() && cp.copy && !cp.dead, "a chain names no live copy");
+        require(cp.block == int32_t(b) && cp.lc == lc, "a chain's copy of another block");
+        require(cp.tier > pt_[prev].tier, "a chain that does not grow colder");
+      }
+      require(copies < kTiers, "a chain longer than the tiers");
       require(owners_[p.tier][p.group][p.slot] == id, "an index page does not own its slot");
     }
   }

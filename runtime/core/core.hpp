@@ -18,9 +18,11 @@
 // - every prefix-critical page of an indexed block is present (dropping one
 //   drops the block's subtree), so a match only checks the other pages;
 // - each sequence row cell that names a page counts once in its holders;
-// - clean copies (write-through, see below): a copy is a disk page of a block whose
-//   index page (the primary) lives in a warmer tier and names it in copy_of_; a
-//   primary has at most one copy, and only a published, live primary has one.
+// - clean copies (write-through, see below): a copy is a host or disk page of a
+//   block whose index page (the primary) lives in a warmer tier. The primary and
+//   its copies form a chain through copy_of_, each link in a strictly colder tier
+//   than the one before (so at most one copy per tier); only a published, live
+//   primary has copies.
 #pragma once
 
 #include <cstddef>
@@ -107,12 +109,12 @@ struct Counters {
   int64_t recovered = 0;
   int64_t orphaned = 0;     // recovery: well-formed pages unreachable (an ancestor's page never reached the disk)
   int64_t discarded = 0;    // recovery: records that do not fit the layout or the tree (bad, duplicate)
-  // clean copies (write-through)
-  int64_t copies_made = 0;      // copies landed by land_copies
-  int64_t copies_kept = 0;      // disk slots kept as copies when their page was promoted
-  int64_t copy_swaps = 0;       // demotions onto a copy: no bytes moved
-  int64_t copies_evicted = 0;   // copies dropped by the disk's eviction (their primary stays)
-  int64_t copies = 0;           // live copy records now
+  // clean copies (write-through), per tier of the copy
+  int64_t copies_made[kTiers] = {0, 0, 0};     // copies landed by land_copies
+  int64_t copies_kept[kTiers] = {0, 0, 0};     // cold slots kept as copies when their page was promoted
+  int64_t copy_swaps[kTiers] = {0, 0, 0};      // demotions onto a copy: no bytes moved
+  int64_t copies_evicted[kTiers] = {0, 0, 0};  // copies dropped by their tier's eviction (the primary stays)
+  int64_t copies[kTiers] = {0, 0, 0};          // live copy records now
 };
 
 struct RecoveredRecord {
@@ -231,28 +233,32 @@ class Core {
   // dropped as discard_corrupt drops them (a claimed one fails its read, which discards it).
   Ids discard_unwritten(const Ids& batch, int32_t event);
 
-  // -- clean copies (write-through to disk) ----------------------------------------
-  // With write-through on, every page published outside the disk tier is queued
-  // for a copy once its bytes are final: at publish if no sequence holds it
-  // locked, else when one releases it. take_copies claims up to max_pages of the
-  // queued pages that are not moving (locked ones too: readers only read them),
-  // in queue order, with copy claims: negative ids, which an acquire of a GPU
-  // page does not wait for (the page stays in place). Moving ones go to the back
-  // of the queue; gone ones (dead, moved to disk, unpublished) leave.
-  void set_write_through(bool on);
-  bool write_through() const { return wt_on_; }
-  Ids take_copies(int32_t max_pages, Ids& claims);
-  size_t copies_pending() const { return wt_pending_.size() - wt_head_; }
-  // The claimed batch was written to (DISK, group) at slots: each page still the
-  // live, published primary of its block (and without a copy) gets its copy
-  // there; the other slots are freed. Ends the batch's claims (returned).
-  Ids land_copies(const Ids& batch, int32_t group, const Ids& slots, int32_t event);
-  // Victims claimed for a move to DISK that have an unclaimed copy take over
-  // the copy's slot (no bytes move). Their source slots go to the caller
-  // (out.slots, fenced as drop_victims does); the claims that no remaining
-  // victim holds end (out.claims). Returns the victims still to move.
-  Ids swap_to_copies(const Ids& victims, Settled& out);
-  int32_t copy_of(int32_t id) const { return has_copy(id) ? copy_of_[size_t(id)] : -1; }
+  // -- clean copies (write-through to the host or the disk) -------------------------
+  // With write-through on for a cold tier (HOST or DISK), every page published in a
+  // warmer tier is queued for a copy in it once its bytes are final: at publish if
+  // no sequence holds it locked, else when one releases it. take_copies claims up
+  // to max_pages of the tier's queued pages that are not moving (locked ones too:
+  // readers only read them), in queue order, with copy claims: negative ids, which
+  // an acquire of a GPU page does not wait for (the page stays in place). Moving
+  // ones go to the back of the queue; gone ones (dead, moved to that tier or
+  // colder, unpublished, with a copy there already) leave.
+  void set_write_through(int tier, bool on);
+  bool write_through(int tier) const { return cold_tier(tier) && wt_[tier].on; }
+  Ids take_copies(int tier, int32_t max_pages, Ids& claims);
+  size_t copies_pending(int tier) const;
+  // The claimed batch was written to (tier, group) at slots: each page still the
+  // live, published primary of its block, warmer than the tier and without a copy
+  // there, gets its copy there; the other slots are freed. Ends the batch's claims.
+  Ids land_copies(const Ids& batch, int tier, int32_t group, const Ids& slots, int32_t event);
+  // Victims claimed for a move to dst_tier: a victim that is itself a copy leaves
+  // (its primary stays: a clean copy is dropped, never moved down), and one whose
+  // chain has an unclaimed copy in dst_tier takes over that copy's slot (no bytes
+  // move; its copies warmer than dst_tier go). Their source slots go to the caller
+  // (out.slots, fenced as drop_victims does); the claims that no remaining victim
+  // holds end (out.claims). Returns the victims still to move.
+  Ids swap_to_copies(const Ids& victims, int dst_tier, Settled& out);
+  // The next link of id's chain (its copy, or a copy's colder copy); -1: none.
+  int32_t copy_of(int32_t id) const { return size_t(id) < copy_of_.size() ? copy_of_[size_t(id)] : -1; }
 
   // -- the disk tier across restarts ----------------------------------------------
   // Published pages not on disk (nor with a copy there), unclaimed and unlocked,
@@ -312,13 +318,20 @@ class Core {
   bool evictable(const Page& p) const {
     return !p.locks && !p.claim && !p.dead && (p.copy || p.tier != last_tier_ || (p.published && !p.holders));
   }
-  bool has_copy(int32_t id) const { return size_t(id) < copy_of_.size() && copy_of_[size_t(id)] >= 0; }
-  void free_copy(int32_t primary);             // its copy leaves the store (slot freed, or kept by a claim)
+  bool has_copy(int32_t id) const { return copy_of(id) >= 0; }
+  static bool cold_tier(int tier) { return tier == HOST || tier == DISK; }
+  bool any_write_through() const { return wt_[HOST].on || wt_[DISK].on; }
+  int32_t copy_in(int32_t primary, int tier) const;    // the chain's copy in `tier`; -1: none
+  void link_copy(int32_t primary, int32_t c);           // c joins the chain in its tier's place
+  void unlink_copy(int32_t c);                          // c leaves its chain (not freed)
+  // The chain's copies in `tier` and warmer leave the store (slots freed, or kept by a claim).
+  void free_copies(int32_t primary, int tier = DISK);
+  void queue_copy(int32_t id);                 // into the pending FIFO of each write-through tier colder than it
   int32_t next_copy_claim();
   // One claim per (source tier, source group, destination group) of `pages`, in order of first
   // appearance; copy claims (negative) when `copy`. Returns the new claim ids.
   Ids claim_batches(const Ids& pages, const std::vector<int32_t>& dst_group, bool copy);
-  int64_t disk_stamp(int32_t b, int lc) const;   // recency of block b's page (lc) on the disk; INT64_MAX: none
+  int64_t tier_stamp(int32_t b, int lc, int tier) const;   // recency of block b's page (lc) in tier; INT64_MAX: none
   bool reaches_disk(int32_t b, const std::vector<uint8_t>& chosen, std::vector<int8_t>& memo) const;
   void note(KvEventKind kind, int32_t id);     // a KV event for the page's block, in its tier
   void note_arrivals(const Ids& batch);        // STORED for a landed batch, chain by chain
@@ -330,16 +343,16 @@ class Core {
     pt_[id].published = true;
     if (kv_events_.on) note(KV_STORED, id);
     // write-through: queued now if nobody holds it locked (its bytes are final), else when released
-    if (wt_on_ && pt_[id].tier != DISK && !pt_[id].locks) {
+    if (any_write_through() && !pt_[id].locks) {
       pt_[id].copy_ready = true;
-      wt_pending_.push_back(id);
+      queue_copy(id);
     }
   }
   void unpublish(int32_t id) {
     Page& p = pt_[id];
     if (p.published && kv_events_.on) note(KV_REMOVED, id);
     p.published = false;
-    if (has_copy(id)) free_copy(id);
+    if (has_copy(id)) free_copies(id);
   }
   void requeue(int32_t id);
   void queue_all(const Ids& pages);               // the evictable ones among unqueued pages
@@ -386,14 +399,17 @@ class Core {
   int64_t clock_ = 0;
   int32_t claim_counter_ = 0;
   int32_t copy_claim_counter_ = 0;                     // copy claims count down from -1
-  // Clean copies. copy_of_[primary] -> its copy (-1: none); sized with the page
-  // table while write-through is on, empty otherwise. Invariant: a recycled id's
-  // entry is -1. wt_pending_: pages published outside the disk, to copy (ids may
-  // go stale: take_copies filters them).
-  bool wt_on_ = false;
+  // Clean copies. copy_of_[page] -> the next (colder) link of its chain (-1: none); sized with
+  // the page table while any write-through is on, empty before. Invariant: a recycled id's entry
+  // is -1. wt_[t] (t HOST or DISK): on, and the FIFO of pages published warmer than t to copy
+  // there (ids may go stale: take_copies filters them); entries before head are done.
+  struct WriteThroughQueue {
+    bool on = false;
+    Ids pending;
+    size_t head = 0;
+  };
+  WriteThroughQueue wt_[kTiers];
   std::vector<int32_t> copy_of_;
-  Ids wt_pending_;                                     // a FIFO: entries before wt_head_ are done
-  size_t wt_head_ = 0;
   Counters counters_;
   std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
   Ids relabels_;                                       // pages to relabel (filtered at take)

@@ -31,10 +31,11 @@ the core:
   committed (the old store published it without indexing it);
 - recovery skips a record of a pool group that does not exist and discards
   one whose depth is negative or whose slot another record already took;
-- clean copies (write-through to disk), which the old store never had: a
-  published page outside the disk may have a copy on the disk (``copy_map``),
-  made by ``take_copies``/``land_copies`` or kept when a disk page is
-  promoted, taken over by a demotion (``swap_to_copies``), evicted alone.
+- clean copies (write-through to the host or the disk), which the old store
+  never had: a published page may have a copy in each colder tier, chained
+  warmest first (``copy_map``), made by ``take_copies``/``land_copies`` or
+  kept when a cold page is promoted, taken over by a demotion
+  (``swap_to_copies``), evicted alone.
 
 Everything here is single-threaded bookkeeping; it does no I/O and never
 waits, exactly like the core.
@@ -412,11 +413,12 @@ class Counters:
         self.recovered = 0
         self.orphaned = 0
         self.discarded = 0
-        self.copies_made = 0          # copies landed by land_copies
-        self.copies_kept = 0          # disk slots kept as copies when their page was promoted
-        self.copy_swaps = 0           # demotions onto a copy: no bytes moved
-        self.copies_evicted = 0       # copies dropped by the disk's eviction (their primary stays)
-        self.copies = 0               # live copy records now
+        # per tier of the copy, as hits
+        self.copies_made = [0, 0, 0]      # copies landed by land_copies
+        self.copies_kept = [0, 0, 0]      # cold slots kept as copies when their page was promoted
+        self.copy_swaps = [0, 0, 0]       # demotions onto a copy: no bytes moved
+        self.copies_evicted = [0, 0, 0]   # copies dropped by their tier's eviction (the primary stays)
+        self.copies = [0, 0, 0]           # live copy records now
 
 
 # -- the prioritised LRU ----------------------------------------------------------------------------
@@ -561,11 +563,12 @@ class ModelCore:
         self._clock = 0
         self.claim_counter = 0
         self.copy_claim_counter = 0                         # copy claims count down from -1
-        # Clean copies (write-through): copy_map[primary] -> its copy (absent: none); wt_pending: pages
-        # published outside the disk, to copy (ids may go stale: take_copies filters them).
-        self.wt_on = False
+        # Clean copies (write-through): copy_map[page] -> the next, colder link of its chain (absent:
+        # none); wt_on[t] / wt_pending[t] (t HOST or DISK): pages published warmer than t, to copy
+        # there (ids may go stale: take_copies filters them).
+        self.wt_on = {HOST: False, DISK: False}
         self.copy_map: dict[int, int] = {}
-        self.wt_pending: deque[int] = deque()
+        self.wt_pending: dict[int, deque[int]] = {HOST: deque(), DISK: deque()}
         self.counters_ = Counters()
         self.disk_frees: list[tuple[int, list[int]]] = []   # drained by take_disk_frees
         self.relabels: list[int] = []                       # filtered when taken
@@ -709,32 +712,80 @@ class ModelCore:
         if p.queued:
             self.queues[p.tier][p.group].touch(pid)
         c = self.copy_map.get(pid, -1)
-        if c >= 0:                          # a copy is as recent as its primary: the disk keeps hot prefixes
+        while c >= 0:                       # a copy is as recent as its primary: cold tiers keep hot prefixes
             cp = self.pt[c]
             cp.stamp = p.stamp
             if cp.queued:
-                self.queues[DISK][cp.group].touch(c)
+                self.queues[cp.tier][cp.group].touch(c)
+            c = self.copy_map.get(c, -1)
 
     def _has_copy(self, pid: int) -> bool:
         return self.copy_map.get(pid, -1) >= 0
 
+    def _any_write_through(self) -> bool:
+        return self.wt_on[HOST] or self.wt_on[DISK]
+
+    def _copy_in(self, pid: int, tier: int) -> int:
+        """The chain's copy in ``tier`` (-1: none)."""
+        c = self.copy_map.get(pid, -1)
+        while c >= 0:
+            if self.pt[c].tier == tier:
+                return c
+            c = self.copy_map.get(c, -1)
+        return -1
+
+    def _link_copy(self, primary: int, c: int) -> None:
+        """``c`` joins its primary's chain in its tier's place."""
+        prev = primary
+        while self.copy_map.get(prev, -1) >= 0 and self.pt[self.copy_map[prev]].tier < self.pt[c].tier:
+            prev = self.copy_map[prev]
+        nxt = self.copy_map.get(prev, -1)
+        if nxt >= 0:
+            self.copy_map[c] = nxt
+        self.copy_map[prev] = c
+        self.counters_.copies[self.pt[c].tier] += 1
+
+    def _unlink_copy(self, c: int) -> None:
+        """``c`` leaves its chain (not freed)."""
+        p = self.pt[c]
+        prev = self.blocks[p.block].pages[p.lc]
+        while prev >= 0 and self.copy_map.get(prev, -1) != c:
+            prev = self.copy_map.get(prev, -1)
+        _require(prev >= 0, "unlink_copy: a copy that is in no chain")
+        nxt = self.copy_map.pop(c, -1)
+        if nxt >= 0:
+            self.copy_map[prev] = nxt
+        else:
+            del self.copy_map[prev]
+        self.counters_.copies[p.tier] -= 1
+
+    def _free_copies(self, primary: int, tier: int = DISK) -> None:
+        """The chain's copies in ``tier`` and warmer leave the store (slots freed, or kept by a claim:
+        a drop in flight)."""
+        c = self.copy_map.get(primary, -1)
+        while c >= 0 and self.pt[c].tier <= tier:
+            nxt = self.copy_map.get(c, -1)
+            self._unlink_copy(c)
+            self._free_page(c)
+            c = nxt
+
+    def _queue_copy(self, pid: int) -> None:
+        """Into the pending queue of each write-through tier colder than the page (without a copy there)."""
+        for t in (HOST, DISK):
+            if self.wt_on[t] and self.pt[pid].tier < t and self._copy_in(pid, t) < 0:
+                self.wt_pending[t].append(pid)
+
     def _publish(self, pid: int) -> None:
-        """Indexed for reuse; with write-through on, a page outside the disk is queued for a copy."""
+        """Indexed for reuse; with write-through on, the page is queued for its copies."""
         self.pt[pid].published = True
-        if self.wt_on and self.pt[pid].tier != DISK and not self.pt[pid].locks:
+        if self._any_write_through() and not self.pt[pid].locks:
             self.pt[pid].copy_ready = True
-            self.wt_pending.append(pid)     # bytes final now; a locked page is queued when released
+            self._queue_copy(pid)           # bytes final now; a locked page is queued when released
 
     def _unpublish(self, pid: int) -> None:
         self.pt[pid].published = False
         if self._has_copy(pid):
-            self._free_copy(pid)
-
-    def _free_copy(self, primary: int) -> None:
-        """The primary's copy leaves the store (its slot freed, or kept by a claim: a drop in flight)."""
-        c = self.copy_map.pop(primary)
-        self.counters_.copies -= 1
-        self._free_page(c)
+            self._free_copies(pid)
 
     def _evictable(self, p: Page) -> bool:
         return (not p.locks and not p.claim and not p.dead
@@ -1182,9 +1233,9 @@ class ModelCore:
                 p.ready = event
             p.locks -= 1
             # write-through: a published page's bytes are final once a sequence that held it releases it
-            if self.wt_on and p.published and not p.dead and p.tier != DISK and not self._has_copy(pid):
+            if self._any_write_through() and p.published and not p.dead:
                 p.copy_ready = True
-                self.wt_pending.append(pid)
+                self._queue_copy(pid)
         self._queue_all(locked)
         for pid in locked:
             self._maybe_recycle(pid)
@@ -1491,10 +1542,10 @@ class ModelCore:
     def unclaim(self, pages: Pages) -> list[int]:
         """End the claims after a failure or give-up: settle them, free the
         slots of pages that died meanwhile, requeue the rest."""
-        if self.wt_on:                          # a copy that failed is tried again later
+        if self._any_write_through():           # a copy that failed is tried again later
             for pid in _page_ids(pages):
                 if self.pt[pid].claim < 0:
-                    self.wt_pending.append(pid)
+                    self._queue_copy(pid)
         settled, live = self._end_claims(_page_ids(pages))
         self._queue_all(live)
         self._relabel_later(live)
@@ -1537,9 +1588,8 @@ class ModelCore:
             if p.dead:
                 self._maybe_recycle(pid)
             elif p.copy:                        # its primary stays: only the copy leaves
-                self.copy_map.pop(self.blocks[p.block].pages[p.lc], None)
-                self.counters_.copies_evicted += 1
-                self.counters_.copies -= 1
+                self._unlink_copy(pid)
+                self.counters_.copies_evicted[p.tier] += 1
                 p.dead = True
                 self._maybe_recycle(pid)
             else:
@@ -1610,12 +1660,13 @@ class ModelCore:
         _require(len(batch) == len(dst_slots) and len(batch) > 0, "land: one slot per page")
         src_tier, src_group = self.pt[batch[0]].tier, self.pt[batch[0]].group
         freed = []
-        # write-through: a published page promoted from the disk keeps its disk slot as a clean copy
-        keep = self.wt_on and src_tier == DISK and not handoff
+        # write-through: a published page promoted from a cold tier keeps its slot there as a clean copy
+        keep = self.wt_on.get(src_tier, False) and dst_tier < src_tier and not handoff
         kept: list[tuple[int, int]] = []
         for pid, s in zip(batch, dst_slots):
-            if dst_tier == DISK and self._has_copy(pid):
-                self._free_copy(pid)            # the page itself lands on the disk: its copy goes
+            c = self.copy_map.get(pid, -1)
+            if c >= 0 and self.pt[c].tier <= dst_tier:
+                self._free_copies(pid, dst_tier)    # it lands where (or colder than) its copy: that goes
             p = self.pt[pid]
             self.owners[src_tier][src_group][p.slot] = -1
             if (keep and not p.dead and p.published and not p.relabel and p.block >= 0
@@ -1627,15 +1678,14 @@ class ModelCore:
             self.owners[dst_tier][dst_group][s] = pid
         for pid, slot in kept:
             p = self.pt[pid]
-            c = self._new_page(p.block, p.lc, DISK, src_group, slot, p.priority)
+            c = self._new_page(p.block, p.lc, src_tier, src_group, slot, p.priority)
             cp = self.pt[c]
             cp.copy = True
             cp.stamp = p.stamp
             cp.ready = event                    # the slot's last reader: this move
-            self.copy_map[pid] = c
-            self.counters_.copies_kept += 1
-            self.counters_.copies += 1
-            self.queues[DISK][src_group].push(c)
+            self._link_copy(pid, c)
+            self.counters_.copies_kept[src_tier] += 1
+            self.queues[src_tier][src_group].push(c)
         if src_tier == DISK and freed:
             self.disk_frees.append((src_group, list(freed)))
         if handoff:                     # the caller's next writer waits on this batch's reads
@@ -1653,36 +1703,43 @@ class ModelCore:
         self._relabel_later(live)
         return (settled, out_slots)
 
-    # -- clean copies (write-through to disk) --------------------------------------------------------------------
-    def set_write_through(self, on: bool) -> None:
-        """With write-through on, every page published outside the disk tier is queued for a copy."""
-        _require(not on or len(self.allocs[DISK]) > 0, "write-through needs a disk tier")
-        if not on:
-            _require(self.counters_.copies == 0, "write-through cannot be turned off while copies exist")
-        self.wt_on = bool(on)
-        if not on:
-            self.wt_pending.clear()
+    # -- clean copies (write-through to the host or the disk) -------------------------------------------------------
+    def _cold_tier(self, tier: int) -> None:
+        _require(tier in (HOST, DISK), "write-through is for the host or the disk tier")
 
-    def write_through(self) -> bool:
-        return self.wt_on
+    def set_write_through(self, tier: int, on: bool) -> None:
+        """With write-through on for a cold tier, every page published warmer than it is queued for a copy."""
+        self._cold_tier(tier)
+        _require(not on or len(self.allocs[tier]) > 0, "write-through needs the tier")
+        if not on:
+            _require(self.counters_.copies[tier] == 0, "write-through cannot be turned off while copies exist")
+        self.wt_on[tier] = bool(on)
+        if not on:
+            self.wt_pending[tier].clear()
 
-    def copies_pending(self) -> int:
-        return len(self.wt_pending)
+    def write_through(self, tier: int) -> bool:
+        return self.wt_on.get(tier, False)
+
+    def copies_pending(self, tier: int) -> int:
+        self._cold_tier(tier)
+        return len(self.wt_pending[tier])
 
     def copy_of(self, pid: int) -> int:
         _require(0 <= pid < len(self.pt), "no such page")
         return self.copy_map.get(pid, -1)
 
-    def take_copies(self, max_pages: int) -> tuple:
-        """Claim up to ``max_pages`` queued pages that are free to read now
-        (unlocked, unclaimed), in publish order, with copy claims: negative
-        ids, one per (source tier, source group, disk group), which an
+    def take_copies(self, tier: int, max_pages: int) -> tuple:
+        """Claim up to ``max_pages`` of the tier's queued pages that are free
+        to read now (unclaimed), in publish order, with copy claims: negative
+        ids, one per (source tier, source group, destination group), which an
         acquire of a GPU page does not wait for. Busy ones stay queued; gone
-        ones (dead, on the disk, unpublished, with a copy) leave. (Pages, claims)."""
+        ones (dead, in the tier or colder, unpublished, with a copy there)
+        leave. (Pages, claims)."""
         if max_pages < 0:
             raise ValueError("max_pages must not be negative")
+        _require(self.write_through(tier), "take_copies: write-through is off for that tier")
         taken: list[int] = []
-        pending = self.wt_pending
+        pending = self.wt_pending[tier]
         budget = len(pending)
         while budget > 0 and len(taken) < max_pages:
             budget -= 1
@@ -1691,10 +1748,10 @@ class ModelCore:
                 continue
             p = self.pt[pid]
             # not copy_ready: a stale entry whose id was recycled into a page still being written
-            if (not p.in_use or p.dead or not p.published or p.copy or not p.copy_ready or p.tier == DISK
-                    or self._has_copy(pid)
+            if (not p.in_use or p.dead or not p.published or p.copy or not p.copy_ready or p.tier >= tier
+                    or self._copy_in(pid, tier) >= 0
                     or p.block < 0 or self.blocks[p.block].pages[p.lc] != pid):
-                continue                        # gone, or on the disk already
+                continue                        # gone, or in the tier (or colder), or copied there
             if p.claim:                         # moving: to the back, tried again later
                 pending.append(pid)
                 continue
@@ -1702,97 +1759,116 @@ class ModelCore:
             p.claim = -1                        # a placeholder: a duplicate entry now reads as busy
         for pid in taken:                       # the placeholders go: real copy claims, as claim() makes them
             self.pt[pid].claim = 0
-        return (Pages(taken), self._claim_batches(taken, self.group_of[DISK], self._next_copy_claim))
+        return (Pages(taken), self._claim_batches(taken, self.group_of[tier], self._next_copy_claim))
 
-    def _disk_stamp(self, b: int, lc: int) -> float:
-        """Recency of block ``b``'s page (``lc``) on the disk (inf: none there)."""
+    def _tier_stamp(self, b: int, lc: int, tier: int) -> float:
+        """Recency of block ``b``'s page (``lc``) in ``tier``, primary or copy (inf: none there)."""
         if b < 0:
             return float("inf")
         pid = self.blocks[b].pages[lc]
         if pid < 0:
             return float("inf")
-        if self.pt[pid].tier == DISK:
+        if self.pt[pid].tier == tier:
             return self.pt[pid].stamp
-        return self.pt[self.copy_map[pid]].stamp if self._has_copy(pid) else float("inf")
+        c = self._copy_in(pid, tier)
+        return self.pt[c].stamp if c >= 0 else float("inf")
 
-    def land_copies(self, pages: Pages, group: int, slots: list[int], event: int) -> list[int]:
-        """The claimed batch was written to (DISK, group) at ``slots``: each
-        page still the live, published primary of its block (without a copy)
-        gets its copy there; the other slots are freed. Returns the claims ended."""
+    def land_copies(self, pages: Pages, tier: int, group: int, slots: list[int], event: int) -> list[int]:
+        """The claimed batch was written to (tier, group) at ``slots``: each
+        page still the live, published primary of its block, warmer than the
+        tier and without a copy there, gets its copy there; the other slots
+        are freed. Returns the claims ended."""
         batch = _page_ids(pages)
         _require(len(batch) == len(slots), "land_copies: one slot per page")
-        _require(0 <= group < len(self.allocs[DISK]), "land_copies: no such disk group")
+        _require(tier in (HOST, DISK) and 0 <= group < len(self.allocs[tier]),
+                 "land_copies: no such cold tier and group")
         for pid, s in zip(batch, slots):
-            a = self.allocs[DISK][group]
-            _require(0 <= s < a.capacity and not a.is_free(s) and self.owners[DISK][group][s] < 0,
+            a = self.allocs[tier][group]
+            _require(0 <= s < a.capacity and not a.is_free(s) and self.owners[tier][group][s] < 0,
                      "land_copies: a slot that is not allocated, or owned")
             _require(self.pt[pid].claim < 0, "land_copies: a page without a copy claim")
         for pid, s in zip(batch, slots):
             p = self.pt[pid]
-            if (not p.dead and p.published and p.tier != DISK and p.block >= 0
-                    and self.blocks[p.block].pages[p.lc] == pid and not self._has_copy(pid)
-                    and self.group_of[DISK][p.lc] == group):
-                # never newer than what its parent has on the disk: a child's copy is evicted first
-                stamp = min(p.stamp, self._disk_stamp(self.blocks[p.block].parent, p.lc))
-                c = self._new_page(p.block, p.lc, DISK, group, s, p.priority)
+            if (not p.dead and p.published and p.tier < tier and p.block >= 0
+                    and self.blocks[p.block].pages[p.lc] == pid and self._copy_in(pid, tier) < 0
+                    and self.group_of[tier][p.lc] == group):
+                # never newer than what its parent has in the tier: a child's copy is evicted first
+                stamp = min(p.stamp, self._tier_stamp(self.blocks[p.block].parent, p.lc, tier))
+                c = self._new_page(p.block, p.lc, tier, group, s, p.priority)
                 cp = self.pt[c]
                 cp.copy = True
                 cp.stamp = stamp
                 cp.ready = event
-                self.copy_map[pid] = c
-                self.counters_.copies_made += 1
-                self.counters_.copies += 1
-                self.queues[DISK][group].push(c)
+                self._link_copy(pid, c)
+                self.counters_.copies_made[tier] += 1
+                self.queues[tier][group].push(c)
             else:
-                self._release_slot(DISK, group, s, event)
+                self._release_slot(tier, group, s, event)
         settled, live = self._end_claims(batch)
         self._queue_all(live)
         self._relabel_later(live)
         return settled
 
-    def swap_to_copies(self, pages: Pages) -> tuple:
-        """Victims claimed for a move to DISK that have an unclaimed copy take
-        over the copy's slot (no bytes move). (claims that no remaining victim
-        holds, their source slots (fenced as drop_victims does), the victims
-        still to move)."""
+    def swap_to_copies(self, pages: Pages, dst_tier: int) -> tuple:
+        """Victims claimed for a move to ``dst_tier``: a victim that is itself
+        a copy leaves (its primary stays), and one whose chain has an
+        unclaimed copy in ``dst_tier`` takes over that copy's slot (no bytes
+        move; its copies warmer than ``dst_tier`` go). (claims that no
+        remaining victim holds, their source slots (fenced as drop_victims
+        does), the victims still to move)."""
+        _require(0 <= dst_tier < TIERS, "swap_to_copies: no such tier")
         claims: list[int] = []
         slots: list[int] = []
         rest: list[int] = []
-        moved: list[int] = []
+        done: list[int] = []
         for pid in _page_ids(pages):
             p = self.pt[pid]
-            c = self.copy_map.get(pid, -1)
-            if c < 0 or p.dead or self.pt[c].claim or p.tier == DISK:
+            c = -1                              # the copy a primary swaps onto
+            if not p.dead and not p.copy and p.tier < dst_tier:
+                c = self._copy_in(pid, dst_tier)
+                if c >= 0 and self.pt[c].claim:
+                    c = -1
+            if p.dead or (not p.copy and c < 0):
                 rest.append(pid)
                 continue
             _require(p.claim > 0, "swap_to_copies: a victim that is not claimed")
             self.owners[p.tier][p.group][p.slot] = -1
             self.allocs[p.tier][p.group].fence[p.slot] = p.ready   # its next owner waits on the page's last copy
             slots.append(p.slot)
+            done.append(pid)
+            if p.copy:                          # a clean copy leaves; its primary stays
+                self._unlink_copy(pid)
+                self.counters_.copies_evicted[p.tier] += 1
+                continue
             cp = self.pt[c]
             self._unqueue(c)
-            p.tier, p.group, p.slot, p.ready = DISK, cp.group, cp.slot, cp.ready
-            self.owners[DISK][p.group][p.slot] = pid
-            del self.copy_map[pid]
+            self._unlink_copy(c)
+            self._free_copies(pid, dst_tier)    # copies warmer than its new tier (skipped to the disk)
+            p.tier, p.group, p.slot, p.ready = cp.tier, cp.group, cp.slot, cp.ready
+            self.owners[p.tier][p.group][p.slot] = pid
             cp.dead = True
             self._maybe_recycle(c)
-            self.counters_.copy_swaps += 1
-            self.counters_.copies -= 1
-            moved.append(pid)
-        if not moved:
+            self.counters_.copy_swaps[p.tier] += 1
+        if not done:
             return (claims, slots, Pages(rest))
         still: list[int] = []                   # claims a victim still to move holds stay open
         for pid in rest:
             c = self.pt[pid].claim
             if c and c not in still:
                 still.append(c)
-        for pid in sorted(moved, key=lambda i: self.pt[i].stamp):
+        moved: list[int] = []
+        for pid in sorted(done, key=lambda i: self.pt[i].stamp):
             p = self.pt[pid]
             if p.claim not in still and p.claim not in claims:
                 claims.append(p.claim)
             p.claim = 0
+            if p.copy:
+                p.dead = True
+                self._maybe_recycle(pid)
+                continue
+            moved.append(pid)
             if not p.queued and self._evictable(p):
-                self.queues[DISK][p.group].push(pid)
+                self.queues[p.tier][p.group].push(pid)
         self._relabel_later(moved)
         return (claims, slots, Pages(rest))
 
@@ -1841,7 +1917,7 @@ class ModelCore:
                 if pid < 0:
                     continue
                 p = self.pt[pid]
-                there = not p.dead and (p.tier == DISK or self._has_copy(pid) or pid in chosen)
+                there = not p.dead and (p.tier == DISK or self._copy_in(pid, DISK) >= 0 or pid in chosen)
                 any_there = any_there or there
                 if not there and self.lcs[lc].prefix_critical(blk.depth, self.tpb):
                     critical = False
@@ -1863,7 +1939,7 @@ class ModelCore:
                 for q in self.blocks[x].pages:
                     if q < 0 or self.pt[q].dead:
                         continue
-                    d = q if self.pt[q].tier == DISK else self.copy_map[q] if self._has_copy(q) else -1
+                    d = q if self.pt[q].tier == DISK else self._copy_in(q, DISK)
                     if d >= 0 and self.pt[d].queued:
                         out.add(d)
                 x = self.blocks[x].parent
@@ -1872,7 +1948,7 @@ class ModelCore:
             for pid in pages.tolist():
                 if 0 <= pid < len(self.pt) and self.pt[pid].in_use and self.pt[pid].block >= 0:
                     climb(self.pt[pid].block)
-        if self.wt_on:                          # copies interleave in recency: every disk page's ancestors
+        if self.wt_on[DISK]:                    # copies interleave in recency: every disk page's ancestors
             for owners in self.owners[DISK]:
                 for pid in owners:
                     if pid >= 0 and self.pt[pid].block >= 0:
@@ -1896,7 +1972,7 @@ class ModelCore:
                     continue
                 p = self.pt[pid]
                 if (not p.dead and p.published and p.tier != DISK and not p.claim and not p.locks
-                        and not self._has_copy(pid)):
+                        and self._copy_in(pid, DISK) < 0):
                     pending.append(pid)
                     chosen.add(pid)
 
@@ -1935,7 +2011,7 @@ class ModelCore:
             p = self.pt[pid]
             if (p.in_use and not p.dead and not p.claim and p.tier != DISK and p.published and p.block >= 0
                     and self.blocks[p.block].pages[p.lc] == pid and self.group_of[DISK][p.lc] == group
-                    and not self._has_copy(pid)):
+                    and self._copy_in(pid, DISK) < 0):
                 out.append(pid)
         return Pages(out)
 
@@ -2094,8 +2170,9 @@ class ModelCore:
         c = self.counters_
         return {"hits": tuple(c.hits), "lookup_blocks": c.lookup_blocks, "drops": c.drops,
                 "recovered": c.recovered, "orphaned": c.orphaned, "discarded": c.discarded,
-                "copies_made": c.copies_made, "copies_kept": c.copies_kept, "copy_swaps": c.copy_swaps,
-                "copies_evicted": c.copies_evicted, "copies": c.copies}
+                "copies_made": tuple(c.copies_made), "copies_kept": tuple(c.copies_kept),
+                "copy_swaps": tuple(c.copy_swaps), "copies_evicted": tuple(c.copies_evicted),
+                "copies": tuple(c.copies)}
 
     def state_counts(self) -> list[list[list[int]]]:
         """Per (tier, group): [locked, held, droppable] page counts."""
@@ -2163,13 +2240,13 @@ class ModelCore:
                     _require((p.queued != NOT_QUEUED) == self._evictable(p),
                              "queue membership differs from evictability")
                     if p.copy:
-                        _require(t == DISK and not p.published and not p.holders and not p.locks,
-                                 "a copy outside the disk, or held")
+                        _require(t in (HOST, DISK) and not p.published and not p.holders and not p.locks,
+                                 "a copy outside the cold tiers, or held")
                         _require(p.block >= 0 and self.blocks[p.block].indexed,
                                  "a copy of a block that is not indexed")
                         primary = self.blocks[p.block].pages[p.lc]
-                        _require(primary >= 0 and self.copy_map.get(primary, -1) == pid and self.pt[primary].tier != DISK,
-                                 "a copy its block's primary does not name")
+                        _require(primary >= 0 and self._copy_in(primary, t) == pid,
+                                 "a copy its block's chain does not name")
                     queued += p.queued != NOT_QUEUED
                 _require(used == a.used, "owned slots differ from allocated slots")
                 _require(queued == self.queues[t][g].size, "a queue's length differs from its members")
@@ -2186,9 +2263,14 @@ class ModelCore:
                 p = self.pt[pid]
                 _require(p.in_use and p.published and not p.dead and not p.copy,
                          "an index page is unpublished, dead or a copy")
-                if self._has_copy(pid):
-                    c = self.pt[self.copy_map[pid]]
-                    _require(c.copy and not c.dead, "a primary names no live copy")
+                prev, c, n = pid, self.copy_map.get(pid, -1), 0
+                while c >= 0:
+                    cp = self.pt[c]
+                    _require(cp.in_use and cp.copy and not cp.dead, "a chain names no live copy")
+                    _require(cp.block == b and cp.lc == p.lc, "a chain's copy of another block")
+                    _require(cp.tier > self.pt[prev].tier, "a chain that does not grow colder")
+                    prev, c, n = c, self.copy_map.get(c, -1), n + 1
+                _require(n < TIERS, "a chain longer than the tiers")
                 _require(self.owners[p.tier][p.group][p.slot] == pid, "an index page does not own its slot")
         _require(indexed == len(self.index), "the key map's size differs from the indexed blocks")
 

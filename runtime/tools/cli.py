@@ -164,9 +164,12 @@ def cmd_replay(args) -> int:
                 report_skipped(args.trace, requests.problems, requests.skipped)
             out = res.as_dict()
             out["skipped_lines"] = requests.skipped
-            if store.write_through is not None:     # clean copies are not moves: their own counts
+            if store.write_throughs:                # clean copies are not moves: their own counts
                 await store.drain()
-                out["write_through"] = store.stats()["write_through"]
+                stats = store.stats()
+                for key in ("write_through", "host_write_through"):
+                    if stats[key]["on"]:
+                        out[key] = stats[key]
             return out
 
     if args.config:
@@ -234,7 +237,7 @@ def cmd_demo(args) -> int:
 def cmd_stress(args) -> int:
     from .stress import run_stress
     out = run(run_stress(ops=args.ops, seed=args.seed, concurrency=args.concurrency, faults=args.faults,
-                         restarts=args.restarts, quiet=args.json, write=args.write))
+                         restarts=args.restarts, quiet=args.json, write=args.write, host_write=args.host_write))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -341,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inject move failures, disk EIO and cancelled acquires (warnings on stderr are expected)")
     s.add_argument("--write", choices=("back", "through"), default="back",
                    help="the disk tier's write policy (through: clean copies written in the background)")
+    s.add_argument("--host-write", choices=("back", "through"), default="back",
+                   help="the host tier's write policy (through: clean copies of GPU pages in host memory)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_stress)
 

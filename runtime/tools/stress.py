@@ -30,15 +30,18 @@ from .replay import PageWriter
 TPB = 4
 
 
-def stress_config(disk_dir: str, write: str = "back") -> StoreConfig:
+def stress_config(disk_dir: str, write: str = "back", host_write: str = "back") -> StoreConfig:
     kv = (("k", 512), ("v", 512))
     layers = [LayerSpec(0, kv), LayerSpec(1, kv),
               LayerSpec(2, kv, window_tokens=12, sink_tokens=4, reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
-    # write-through keeps a copy of what is above on the disk: three times GPU + host, so copies do not
-    # only evict each other (the store warns at 1x or less); write-back's disk is as small as the tiers above
-    disk = 768 if write == "through" else 256
-    return StoreConfig(layers=layers, tokens_per_block=TPB, gpu=GpuConfig(slots=160, device="auto"),
-                       host=HostConfig(slots=96), disk=DiskConfig(path=disk_dir, slots=disk, fsync=False, write=write))
+    # write-through keeps a copy of what is above in the tier: three times the tiers above, so copies do
+    # not only evict each other (the store warns at 1x or less); write-back's tiers are smaller
+    gpu = 160
+    host = 3 * gpu if host_write == "through" else 96
+    disk = 3 * (gpu + host) if write == "through" else gpu + host
+    return StoreConfig(layers=layers, tokens_per_block=TPB, gpu=GpuConfig(slots=gpu, device="auto"),
+                       host=HostConfig(slots=host, write=host_write),
+                       disk=DiskConfig(path=disk_dir, slots=disk, fsync=False, write=write))
 
 
 class _Run:
@@ -115,16 +118,17 @@ def _disk_keys(store: Store) -> set:
 
 
 async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, faults: bool = False,
-                     restarts: int = 2, quiet: bool = True, write: str = "back") -> dict:
+                     restarts: int = 2, quiet: bool = True, write: str = "back", host_write: str = "back") -> dict:
     from .cli import progress_bar
     run = _Run(seed, faults)
     lost = leaked = discarded = recovered = orphaned = 0
+    copies = {"host": collections.Counter(), "disk": collections.Counter()}    # clean copies, all phases
     phases = restarts + 1
     with tempfile.TemporaryDirectory(prefix="kvtier-stress-") as tmp, \
             progress_bar(ops, "stress", not quiet) as advance:
         expected: set = set()
         for phase in range(phases):
-            cfg = stress_config(tmp, write)
+            cfg = stress_config(tmp, write, host_write)
             async with Store.open(cfg) as store:
                 if expected:
                     served = _disk_keys(store)
@@ -146,13 +150,18 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
                 await asyncio.gather(*(worker() for _ in range(concurrency)))
                 store.engine.fault = None
                 await store.drain()
+                st = store.stats()
+                for tier, key in (("host", "host_write_through"), ("disk", "write_through")):
+                    for k in ("copied_pages", "free_demotions", "kept_on_promotion", "evicted_copies"):
+                        copies[tier][k] += st[key][k]
                 leaked += _leaks(store)
                 store.check_consistency()
                 store_ref = store
             expected = _disk_keys(store_ref) if phase < phases - 1 else set()
     return {"ops": run.counts["ops"], "verified_pages": run.counts["verified_pages"],
             "corrupt": run.counts["corrupt"], "lost": lost, "faults_injected": run.counts["injected"], "leaked_slots": leaked,
-            "discarded": discarded, "recovered": recovered, "orphaned": orphaned, "restarts": restarts, "errors_by_type": dict(run.errors)}
+            "discarded": discarded, "recovered": recovered, "orphaned": orphaned, "restarts": restarts, "errors_by_type": dict(run.errors),
+            "clean_copies": {t: dict(c) for t, c in copies.items() if c["copied_pages"] or c["kept_on_promotion"]}}
 
 
 def _inject(store: Store, rng: random.Random, counts: collections.Counter) -> None:
