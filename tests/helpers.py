@@ -185,3 +185,18 @@ async def read_all(store, base, n=4):
     finally:
         await seq.close()
     return matched, redo
+
+
+async def check_seq(store, base, n=4) -> int:
+    """Open ``toks(base, n)``, acquire, assert every matched block reads back its key's bytes;
+    returns the matched blocks."""
+    seq = await store.open_sequence(tokens=toks(base, n))
+    matched = seq.matched_blocks
+    try:
+        await seq.acquire()
+        for b in range(matched):
+            got, want = read_block(store, seq, 0, b), expected_block(store, seq, 0, b)
+            assert torch.equal(got, want), f"sequence {base} block {b}: wrong bytes served"
+    finally:
+        await seq.close()
+    return matched

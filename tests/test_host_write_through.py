@@ -18,7 +18,7 @@ from runtime import ConfigError, DiskConfig, GpuConfig, HostConfig, LayerSpec, S
 from runtime.migration import MigrationEngine
 from runtime.pages import DISK, GPU, HOST
 
-from helpers import DEVICE, expected_block, fill, read_block, toks
+from helpers import DEVICE, check_seq, expected_block, fill, toks
 
 NB = 4                          # blocks per sequence
 INTERVAL = 0.02                 # write_interval of the write-through tiers
@@ -40,21 +40,6 @@ def host_stats(store) -> dict:
 
 def moved(store, direction: str) -> int:
     return store.stats()["moves"].get(direction, {}).get("pages", 0)
-
-
-async def check_seq(store, base, n=NB) -> int:
-    """Open ``toks(base, n)``, acquire, assert every matched block reads back its key's bytes;
-    returns the matched blocks."""
-    seq = await store.open_sequence(tokens=toks(base, n))
-    matched = seq.matched_blocks
-    try:
-        await seq.acquire()
-        for b in range(matched):
-            assert torch.equal(read_block(store, seq, 0, b), expected_block(store, seq, 0, b)), \
-                f"sequence {base} block {b}: wrong bytes served"
-    finally:
-        await seq.close()
-    return matched
 
 
 def copies_in(store, tier: int, keys) -> list[tuple[int, int, int]]:

@@ -20,7 +20,7 @@ from runtime import (ConfigError, DiskConfig, GpuConfig, HostConfig, KvtierError
 from runtime.migration import MigrationEngine
 from runtime.pages import DISK
 
-from helpers import DEVICE, config, expected_block, fill, read_block, run_until_killed, toks, write_blocks
+from helpers import DEVICE, check_seq, config, expected_block, fill, read_block, run_until_killed, toks, write_blocks
 NB = 4                          # blocks per sequence
 INTERVAL = 0.02                 # write_interval of the write-through stores
 
@@ -47,21 +47,6 @@ def moved_bytes(store, direction: str) -> int:
 
 def disk_used(store) -> int:
     return sum(g["used"] for g in store.stats()["tiers"]["disk"]["groups"])
-
-
-async def check_seq(store, base, n=NB) -> int:
-    """Open ``toks(base, n)``, acquire, assert every matched block reads back its key's bytes;
-    returns the matched blocks."""
-    seq = await store.open_sequence(tokens=toks(base, n))
-    matched = seq.matched_blocks
-    try:
-        await seq.acquire()
-        for b in range(matched):
-            got, want = read_block(store, seq, 0, b), expected_block(store, seq, 0, b)
-            assert torch.equal(got, want), f"sequence {base} block {b}: wrong bytes served"
-    finally:
-        await seq.close()
-    return matched
 
 
 # -- the child process ------------------------------------------------------------------------
