@@ -383,25 +383,36 @@ class Moves:
 
     async def evict(self, tier: int, victims: Pages) -> list[int]:
         """Demote (or, in the last tier, drop) claimed victims; their slots go to the caller.
-        Under write-through, clean copies among the victims leave (their primaries stay), and
-        victims that have a copy in the next tier take over their copy's slot: no bytes move."""
-        nxt = self.next_tier[tier]
-        if not self.write_throughs or nxt is None:
-            return await self._evict_claimed(tier, victims)
+        Under write-through, the clean copies among the victims leave first (their primaries
+        stay), and victims that have a copy in the tier they go to take over their copy's slot:
+        no bytes move (a full next tier sending them on to the disk included)."""
+        if not self.write_throughs:
+            return await self._evict_claimed(tier, victims, None)
         group = self.core.page_info(victims.slice(0, 1).tolist()[0])["group"] if victims else 0
-        claims, handed, victims = self.core.swap_to_copies(victims, nxt)
-        self.claims.settle(claims)
-        self.sync()
-        if not victims:
-            return handed
+        handed: list[int] = []
         try:
-            return handed + await self._evict_claimed(tier, victims)
+            return await self._evict_claimed(tier, victims, handed)
         except BaseException:
-            self.core.give_back(tier, group, handed)    # the moved victims' slots: nobody takes them now
+            self.core.give_back(tier, group, handed)    # the swapped victims' slots: nobody takes them now
             raise
 
-    async def _evict_claimed(self, tier: int, victims: Pages) -> list[int]:
+    def _swap_to_copies(self, victims: Pages, to: int, handed: list[int]) -> Pages:
+        """``core.swap_to_copies``: the slots it frees join ``handed``; the victims left to move."""
+        claims, slots, rest = self.core.swap_to_copies(victims, to)
+        self.claims.settle(claims)
+        self.sync()
+        handed += slots
+        return rest
+
+    async def _evict_claimed(self, tier: int, victims: Pages, handed: list[int] | None) -> list[int]:
+        """``evict``; ``handed`` (write-through on) collects the slots of victims that need no
+        move, and the result starts with them."""
         nxt = self.next_tier[tier]
+        done: list[int] = handed if handed is not None else []
+        if handed is not None:
+            victims = self._swap_to_copies(victims, tier if nxt is None else nxt, handed)
+            if not victims:
+                return done
         while nxt is not None:
             try:
                 slots = await self.obtain_many(nxt, self.core.group_counts(victims, nxt))
@@ -409,6 +420,10 @@ class Moves:
                 # the next tier is full of locked, held or in-flight pages: skip to a colder one
                 # (cold groups are the same in host and disk); drop only when none can take them
                 nxt = self.next_tier[nxt]
+                if nxt is not None and handed is not None:
+                    victims = self._swap_to_copies(victims, nxt, handed)
+                    if not victims:
+                        return done
                 if nxt is None and not self.core.droppable(victims):
                     self.unclaim(victims, None)
                     raise
@@ -417,7 +432,7 @@ class Moves:
                 raise
             else:
                 try:
-                    return await self.move(victims, nxt, slots, handoff=True)
+                    return done + await self.move(victims, nxt, slots, handoff=True)
                 except DiskFullError as exc:
                     # the filesystem takes no more: the disk keeps what it has, and victims that are
                     # only cached copies are dropped instead of spilled (a later spill retries)
@@ -437,7 +452,7 @@ class Moves:
         claims, freed = self.core.drop_victims(tier, victims)
         self.claims.settle(claims)
         self.sync()
-        return freed
+        return done + freed
 
     def behind_failed(self, exc: BaseException, batch: Batch) -> None:
         """A spill written behind failed after its pages landed (migration._spill_behind): the

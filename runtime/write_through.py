@@ -25,7 +25,7 @@ from tiers.config import ColdTierConfig
 from tiers.errors import DiskFullError, OutOfPagesError
 
 from .migration import Batch
-from .pages import TIER_NAMES
+from .pages import GPU, TIER_NAMES
 
 if TYPE_CHECKING:
     from .store import Store
@@ -144,9 +144,10 @@ class WriteThrough:
         store.moves.sync()
         job = Batch(src_tier, src_group, src_slots, lcs, set(store.events.all(ready)),
                     lambda: store.moves.records(batch))
-        # its bytes leave the GPU: the remote's write-through sees them now (a later demotion onto
-        # this copy moves none)
-        tee = store.moves.tee_to_remote(job, batch, group)
+        # copies in the tier the GPU demotes to: a later demotion onto one moves no bytes, so the
+        # remote's write-through (which writes pages as they leave the GPU) sees them now; a disk
+        # copy below a host tier is not teed: the page's demotion to the host still is
+        tee = store.moves.tee_to_remote(job, batch, group) if store.next_tier[GPU] == tier else None
         try:
             ev = await store.engine.run(job, tier, group, slots, fences, record=False)
         except BaseException as exc:        # as a failed move: the slots go back, the claims end

@@ -436,6 +436,11 @@ class Driver:
         handed: list[int] = []
         first = True
         try:
+            if self.write_through and nxt == -1:        # the last tier: its copies leave before the drop
+                _claims, slots, victims = self.call("swap_to_copies", victims, tier)
+                handed += slots
+                if not len(victims):
+                    return handed
             while nxt != -1:
                 if self.write_through and (first or self.rng.random() < 0.5):
                     _claims, slots, victims = self.call("swap_to_copies", victims, nxt)
@@ -1470,5 +1475,36 @@ def test_copy_claim_minus_one_is_settled():
     assert claims == [-3] and len(pages) == 1
     assert pair.call("land_copies", pages, DISK, 0, pair.call("allocate", DISK, 0, 1), 4) == [-3]
     assert pair.call("copies_pending", DISK) == 0 and pair.call("counters")["copies"] == (0, 0, 2)
+    pair.compare_full((), [1, 2])
+    assert pair.check_result() is None
+
+
+def test_a_copy_that_died_while_claimed_is_shed_not_moved():
+    """A host copy claimed as an eviction's victim dies before swap_to_copies runs (its prefix is
+    dropped; the claim keeps its slot). The first cut returned it with the victims to move: the
+    Store would have written it to the disk under its block's key, and disk_records read the key
+    of a parent block whose id had been recycled (the core gave stale bytes, the model raised).
+    It is shed now: its slot goes to the caller, with nothing to move."""
+    pair = Pair(2, [FULL], [[0], [0], [0]], [[4], [4], [8]], write_through=(HOST,))
+    s, _, _ = pair.call("open", [1, 2], 35)
+    pair.call("extend_now", s, 2)
+    assert pair.call("commit", s, 2) == -1
+    pair.call("close", s)
+    pages, _ = pair.call("take_copies", HOST, 8)
+    ((_, _, g, batch),) = pair.call("split_batches", pages, HOST)
+    pair.call("land_copies", batch, HOST, g, pair.call("allocate", HOST, g, len(batch)), 7)
+    p1, p2 = pages.tolist()
+    victims, _ = pair.call("pick_victims", HOST, 0, 1, 0)       # the LRU host page: block 2's copy
+    (copy,) = victims.tolist()
+    assert copy == pair.call("copy_of", p2)
+    slot = pair.call("page_info", copy)["slot"]
+    pair.call("drop_page", p1)                                  # drops the prefix: both copies die
+    s2, _, _ = pair.call("open", [], 35)                        # a keyless block reuses block 1's id
+    pair.call("extend_now", s2, 1)
+    claims, slots, rest = pair.call("swap_to_copies", victims, DISK)
+    assert (len(claims), slots, rest.tolist()) == (1, [slot], [])
+    pair.call("release_slots", HOST, 0, slots, 0)
+    assert pair.call("counters")["copies"] == (0, 0, 0)
+    pair.call("close", s2)
     pair.compare_full((), [1, 2])
     assert pair.check_result() is None

@@ -332,3 +332,52 @@ async def test_write_back_never_sends_gpu_rows(server, tmp_path):
         assert a.stats()["remote"]["written_pages"] == before and a.remote.inflight == 0
         a.moves.unclaim(victims, None)
         a.check_consistency()
+
+
+@pytest.mark.parametrize("host_write,disk_write,teed", [("back", "back", 40), ("back", "through", 40),
+                                                        ("through", "back", 48), ("through", "through", 48)])
+async def test_clean_copies_are_written_through_once(server, tmp_path, host_write, disk_write, teed):
+    """Remote write-through writes pages as they leave the GPU. A copy to the host leaves it
+    (a later demotion onto the copy moves no bytes), so it is written then; a disk copy below a
+    host tier is not (the demotion to the host still is), or every page went out twice. GPU 8,
+    48 committed pages: with host write-back the 40 demoted, with host write-through all 48."""
+    cfg = config(gpu=8, host=64, disk=256, disk_dir=tmp_path,
+                 remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    cfg.host.write, cfg.host.write_interval = host_write, 0.01
+    cfg.disk.write, cfg.disk.write_interval = disk_write, 0.01
+    async with Store.open(cfg) as a:
+        for i in range(8):
+            await fill(a, prompt(i))
+            await a.drain()
+        st = a.stats()
+        assert st["remote"]["written_pages"] == teed and st["remote"]["skipped_pages"] == 0, st["remote"]
+        assert st["moves"].get("gpu->host", {}).get("pages", 0) == (40 if host_write == "back" else 0)
+    async with Store.open(remote_cfg(server.url)) as b:
+        assert await check_hits(b, 8) > 0
+
+
+async def test_write_back_sends_no_clean_copies(server, monkeypatch):
+    """Host write-through, no disk, remote write = "back": the host sheds copies when it needs
+    room; their primaries are still on the GPU, so they are not written back as lost pages."""
+    from runtime.remote import RemoteLink
+    sent = {"pages": 0, "copies": 0}
+    real = RemoteLink.write_back
+
+    async def spy(self, victims):
+        infos = [self.store.core.page_info(v) for v in victims.tolist()]
+        sent["pages"] += len(infos)
+        sent["copies"] += sum(i["copy"] for i in infos)
+        return await real(self, victims)
+
+    monkeypatch.setattr(RemoteLink, "write_back", spy)
+    cfg = config(gpu=8, host=6, remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0,
+                                                      write="back"))
+    cfg.host.write, cfg.host.write_interval = "through", 0.01
+    async with Store.open(cfg) as a:
+        for i in range(12):
+            await fill(a, prompt(i, blocks=2))
+            await a.drain()
+        st = a.stats()
+        assert st["host_write_through"]["evicted_copies"] > 0
+        assert sent["pages"] > 0 and sent["copies"] == 0, sent
+        a.check_consistency()

@@ -365,7 +365,7 @@ NB_MODULE(_core, m) {
                r.lc = uint16_t(pg.lc);
                r.priority = uint8_t(pg.priority);
                r.ptag = kvtier::DiskRecord::kTagNone;
-               if ((pg.published || pg.copy) && pg.block >= 0) {   // a copy names its block as its primary does
+               if ((pg.published || (pg.copy && !pg.dead)) && pg.block >= 0) {   // a live copy names its block as its primary does
                  const kvtier::Block& b = c.block(pg.block);
                  r.ktag = b.key.tag;
                  std::memcpy(r.key, b.key.bytes, 16);

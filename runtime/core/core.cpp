@@ -1137,6 +1137,7 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
                 owners_[dst_tier][dst_group][s] < 0,
             "land: a destination slot that is not allocated, or owned");
     require(pt_[batch[i]].claim != 0, "land: a page that is not claimed");
+    require(!pt_[batch[i]].copy, "land: a clean copy moves nowhere (swap_to_copies sheds it)");
   }
   Settled out;
   int src_tier = pt_[batch[0]].tier, src_group = pt_[batch[0]].group;
@@ -1343,6 +1344,8 @@ Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
   out.claims.clear();
   out.slots.clear();
   Ids rest, done;                                   // done: victims swapped onto a copy, or copies shed
+  Ids shed_disk;                                    // slots of disk copies shed
+  int32_t disk_group = -1;
   for (int32_t id : victims) {
     Page& p = pt_[id];
     int32_t c = -1;                                 // the copy a primary swaps onto
@@ -1350,7 +1353,9 @@ Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
       c = copy_in(id, dst_tier);
       if (c >= 0 && pt_[c].claim) c = -1;
     }
-    if (p.dead || (!p.copy && c < 0)) {
+    // a copy leaves even if it died since it was claimed (freed with its chain, its slot kept for
+    // this claim): moved down, it would be written under its block's key
+    if (!p.copy && (p.dead || c < 0)) {
       rest.push_back(id);
       continue;
     }
@@ -1360,8 +1365,14 @@ Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
     out.slots.push_back(p.slot);
     done.push_back(id);
     if (p.copy) {                                   // a clean copy leaves; its primary stays
-      unlink_copy(id);
-      ++counters_.copies_evicted[p.tier];
+      if (!p.dead) {
+        unlink_copy(id);
+        ++counters_.copies_evicted[p.tier];
+      }
+      if (p.tier == DISK) {                         // the disk forgets it, as drop_victims has it
+        shed_disk.push_back(p.slot);
+        disk_group = p.group;
+      }
       continue;
     }
     if (kv_events_.on && p.published) note(KV_REMOVED, id);
@@ -1380,6 +1391,7 @@ Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
     ++counters_.copy_swaps[p.tier];
   }
   if (done.empty()) return rest;
+  if (!shed_disk.empty()) disk_frees_.push_back({disk_group, shed_disk});
   if (kv_events_.on) {
     Ids moved;
     for (int32_t id : done)
@@ -1750,10 +1762,12 @@ std::vector<std::vector<std::vector<int64_t>>> Core::state_counts() const {
 }
 
 void Core::check() const {
+  int64_t copies[kTiers] = {0, 0, 0};
   for (int t = 0; t < kTiers; ++t)
     for (size_t g = 0; g < allocs_[t].size(); ++g) {
       const SlotAllocator& a = allocs_[t][g];
       int32_t used = 0;
+      int64_t copies_here = 0;
       size_t queued = 0;
       for (int32_t s = 0; s < a.capacity(); ++s) {
         int32_t id = owners_[t][g][s];
@@ -1765,6 +1779,7 @@ void Core::check() const {
         require(p.tier == t && p.group == int(g) && p.slot == s, "a page is misfiled");
         require((p.queued != NOT_QUEUED) == evictable(p), "queue membership differs from evictability");
         if (p.copy) {
+          ++copies_here;
           require(cold_tier(t) && !p.published && !p.holders && !p.locks, "a copy outside the cold tiers, or held");
           require(p.block >= 0 && index_.blocks[p.block].indexed, "a copy of a block that is not indexed");
           int32_t primary = index_.page(p.block, p.lc);
@@ -1773,6 +1788,7 @@ void Core::check() const {
         queued += p.queued != NOT_QUEUED;
       }
       require(used == a.used(), "owned slots differ from allocated slots");
+      copies[t] += copies_here;
       std::string broken = a.check();
       require(broken.empty(), ("a slot allocator: " + broken).c_str());
       require(queued == queues_[t][g].size(), "a queue's length differs from its members");
@@ -1801,6 +1817,16 @@ void Core::check() const {
     }
   }
   require(indexed == index_.indexed_count(), "the key map's size differs from the indexed blocks");
+  for (int t = 0; t < kTiers; ++t) require(copies[t] == counters_.copies[t], "the copy count differs from the copies");
+  // every link names a live copy from a live page of its chain (a recycled id's entry is -1)
+  for (size_t id = 0; id < copy_of_.size(); ++id) {
+    int32_t c = copy_of_[id];
+    if (c < 0) continue;
+    const Page& p = pt_[int32_t(id)];
+    require(p.in_use() && !p.dead && (p.copy || (p.block >= 0 && index_.page(p.block, p.lc) == int32_t(id))),
+            "a copy link from a page that is neither a primary nor a copy");
+    require(pt_[c].in_use() && pt_[c].copy && !pt_[c].dead && pt_[c].block == p.block, "a link to no live copy");
+  }
 }
 
 }  // namespace kvtier

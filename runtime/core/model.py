@@ -1634,7 +1634,7 @@ class ModelCore:
         for i, pid in enumerate(ids):
             p = self.pt[pid]
             out[i]["lc"], out[i]["priority"], out[i]["ptag"] = p.lc, p.priority, journal.TAG_NONE
-            if (p.published or p.copy) and p.block >= 0:     # a copy names its block as its primary does
+            if (p.published or (p.copy and not p.dead)) and p.block >= 0:   # a live copy names its block as its primary does
                 b = self.blocks[p.block]
                 out[i]["key_lo"], out[i]["key_hi"], out[i]["ktag"] = journal.encode_key(b.key)
                 out[i]["depth"] = b.depth
@@ -1658,6 +1658,8 @@ class ModelCore:
         fence = event if fence is None else fence
         batch = _page_ids(pages)
         _require(len(batch) == len(dst_slots) and len(batch) > 0, "land: one slot per page")
+        for pid in batch:
+            _require(not self.pt[pid].copy, "land: a clean copy moves nowhere (swap_to_copies sheds it)")
         src_tier, src_group = self.pt[batch[0]].tier, self.pt[batch[0]].group
         freed = []
         # write-through: a published page promoted from a cold tier keeps its slot there as a clean copy
@@ -1821,6 +1823,8 @@ class ModelCore:
         slots: list[int] = []
         rest: list[int] = []
         done: list[int] = []
+        shed_disk: list[int] = []               # slots of disk copies shed
+        disk_group = -1
         for pid in _page_ids(pages):
             p = self.pt[pid]
             c = -1                              # the copy a primary swaps onto
@@ -1828,7 +1832,9 @@ class ModelCore:
                 c = self._copy_in(pid, dst_tier)
                 if c >= 0 and self.pt[c].claim:
                     c = -1
-            if p.dead or (not p.copy and c < 0):
+            # a copy leaves even if it died since it was claimed (freed with its chain, its slot kept
+            # for this claim): moved down, it would be written under its block's key
+            if not p.copy and (p.dead or c < 0):
                 rest.append(pid)
                 continue
             _require(p.claim > 0, "swap_to_copies: a victim that is not claimed")
@@ -1837,8 +1843,12 @@ class ModelCore:
             slots.append(p.slot)
             done.append(pid)
             if p.copy:                          # a clean copy leaves; its primary stays
-                self._unlink_copy(pid)
-                self.counters_.copies_evicted[p.tier] += 1
+                if not p.dead:
+                    self._unlink_copy(pid)
+                    self.counters_.copies_evicted[p.tier] += 1
+                if p.tier == DISK:              # the disk forgets it, as drop_victims has it
+                    shed_disk.append(p.slot)
+                    disk_group = p.group
                 continue
             cp = self.pt[c]
             self._unqueue(c)
@@ -1851,6 +1861,8 @@ class ModelCore:
             self.counters_.copy_swaps[p.tier] += 1
         if not done:
             return (claims, slots, Pages(rest))
+        if shed_disk:
+            self.disk_frees.append((disk_group, shed_disk))
         still: list[int] = []                   # claims a victim still to move holds stay open
         for pid in rest:
             c = self.pt[pid].claim
@@ -2225,6 +2237,7 @@ class ModelCore:
 
     def check(self) -> None:
         """Raise CoreError naming the first broken invariant (core.cpp's order)."""
+        copies = [0] * TIERS
         for t in range(TIERS):
             for g, a in enumerate(self.allocs[t]):
                 used = queued = 0
@@ -2240,6 +2253,7 @@ class ModelCore:
                     _require((p.queued != NOT_QUEUED) == self._evictable(p),
                              "queue membership differs from evictability")
                     if p.copy:
+                        copies[t] += 1
                         _require(t in (HOST, DISK) and not p.published and not p.holders and not p.locks,
                                  "a copy outside the cold tiers, or held")
                         _require(p.block >= 0 and self.blocks[p.block].indexed,
@@ -2273,6 +2287,15 @@ class ModelCore:
                 _require(n < TIERS, "a chain longer than the tiers")
                 _require(self.owners[p.tier][p.group][p.slot] == pid, "an index page does not own its slot")
         _require(indexed == len(self.index), "the key map's size differs from the indexed blocks")
+        for t in range(TIERS):
+            _require(copies[t] == self.counters_.copies[t], "the copy count differs from the copies")
+        # every link names a live copy from a live page of its chain (a recycled id has no entry)
+        for pid, c in sorted(self.copy_map.items()):
+            p = self.pt[pid]
+            _require(p.in_use and not p.dead and (p.copy or (p.block >= 0 and self.blocks[p.block].pages[p.lc] == pid)),
+                     "a copy link from a page that is neither a primary nor a copy")
+            _require(self.pt[c].in_use and self.pt[c].copy and not self.pt[c].dead and self.pt[c].block == p.block,
+                     "a link to no live copy")
 
     def _check_deep(self) -> None:
         """Invariants beyond check() (the model's own bookkeeping; tests call

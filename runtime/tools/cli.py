@@ -199,10 +199,11 @@ def cmd_replay(args) -> int:
 def _print_replay(out: dict) -> None:
     rows = [["requests", out["requests"]], ["blocks", out["blocks"]], ["hit rate", f"{out['hit_rate']:.2%}"]]
     rows += [[f"  hits on {t}", f"{r:.2%}"] for t, r in out["hit_rate_by_tier"].items()]
-    wt = out.get("write_through")
-    if wt:
-        rows += [["disk copies written", wt["copied_pages"]], ["  demotions onto a copy", wt["free_demotions"]],
-                 ["  copies evicted", wt["evicted_copies"]]]
+    for tier, key in (("host", "host_write_through"), ("disk", "write_through")):
+        wt = out.get(key)
+        if wt:
+            rows += [[f"{tier} copies written", wt["copied_pages"]], ["  demotions onto a copy", wt["free_demotions"]],
+                     ["  copies kept on promotion", wt["kept_on_promotion"]], ["  copies evicted", wt["evicted_copies"]]]
     rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["pages verified", out["verified_pages"]],
              ["pages corrupt", out["corrupt_pages"]],
              ["loop lag p50 / p99 / max", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} / "
