@@ -196,14 +196,19 @@ def cmd_replay(args) -> int:
     return 1 if out["corrupt_pages"] or failed else 0
 
 
+def _copy_rows(tier: str, c: dict) -> list[list]:
+    """Table rows of one tier's clean copies (``stats()["write_through"]`` and the like)."""
+    return [[f"{tier} copies written", c["copied_pages"]], ["  demotions onto a copy", c["free_demotions"]],
+            ["  copies kept on promotion", c["kept_on_promotion"]], ["  copies evicted", c["evicted_copies"]]]
+
+
 def _print_replay(out: dict) -> None:
     rows = [["requests", out["requests"]], ["blocks", out["blocks"]], ["hit rate", f"{out['hit_rate']:.2%}"]]
     rows += [[f"  hits on {t}", f"{r:.2%}"] for t, r in out["hit_rate_by_tier"].items()]
     for tier, key in (("host", "host_write_through"), ("disk", "write_through")):
         wt = out.get(key)
         if wt:
-            rows += [[f"{tier} copies written", wt["copied_pages"]], ["  demotions onto a copy", wt["free_demotions"]],
-                     ["  copies kept on promotion", wt["kept_on_promotion"]], ["  copies evicted", wt["evicted_copies"]]]
+            rows += _copy_rows(tier, wt)
     rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["pages verified", out["verified_pages"]],
              ["pages corrupt", out["corrupt_pages"]],
              ["loop lag p50 / p99 / max", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} / "
@@ -242,7 +247,10 @@ def cmd_stress(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        _table("Stress", ["", "value"], [[k, v] for k, v in out.items()])
+        rows = [[k, v] for k, v in out.items() if k != "clean_copies"]
+        for tier, c in out["clean_copies"].items():
+            rows += _copy_rows(tier, c)
+        _table("Stress", ["", "value"], rows)
     return 0 if out["corrupt"] == 0 and out["lost"] == 0 and out["leaked_slots"] == 0 else 1
 
 
@@ -346,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--write", choices=("back", "through"), default="back",
                    help="the disk tier's write policy (through: clean copies written in the background)")
     s.add_argument("--host-write", choices=("back", "through"), default="back",
-                   help="the host tier's write policy (through: clean copies of GPU pages in host memory)")
+                   help="the host tier's write policy (through: clean copies of GPU pages in host memory); a tier "
+                        "that writes through gets three times the slots above it")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_stress)
 
