@@ -404,6 +404,15 @@ class Moves:
         handed += slots
         return rest
 
+    def _may_swap(self, tier: int, to: int) -> bool:
+        """Whether victims leaving ``tier`` may swap onto their copies in ``to``. Not GPU pages
+        onto copies the remote's write-through never saw: it tees copies only in the tier the
+        GPU demotes to (write_through), and sees a page leave the GPU by its move's bytes, so a
+        GPU page skipping a full host onto its disk copy moves (the landing frees the copy)."""
+        remote = self.remote
+        return (tier != GPU or to == self.next_tier[GPU] or remote is None
+                or remote.settings.write != "through")
+
     async def _evict_claimed(self, tier: int, victims: Pages, handed: list[int] | None) -> list[int]:
         """``evict``; ``handed`` (write-through on) collects the slots of victims that need no
         move, and the result starts with them."""
@@ -420,7 +429,7 @@ class Moves:
                 # the next tier is full of locked, held or in-flight pages: skip to a colder one
                 # (cold groups are the same in host and disk); drop only when none can take them
                 nxt = self.next_tier[nxt]
-                if nxt is not None and handed is not None:
+                if nxt is not None and handed is not None and self._may_swap(tier, nxt):
                     victims = self._swap_to_copies(victims, nxt, handed)
                     if not victims:
                         return done

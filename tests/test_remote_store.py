@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from runtime import Store
+from runtime.pages import DISK, GPU, HOST
 from runtime.tools.redis_servers import REDIS_SERVER, RedisServer
 from tiers.errors import ConfigError
 from tiers.remote import RemoteSettings
@@ -381,3 +382,41 @@ async def test_write_back_sends_no_clean_copies(server, monkeypatch):
         assert st["host_write_through"]["evicted_copies"] > 0
         assert sent["pages"] > 0 and sent["copies"] == 0, sent
         a.check_consistency()
+
+
+async def test_a_page_skipping_a_full_host_onto_its_disk_copy_is_written_through(server, tmp_path):
+    """Host write-back, disk write-through: a GPU page's disk copy is not teed (the page's
+    demotion to the host is). When the host is full of pages in flight, a demotion skips to
+    the disk; swapping onto the copy would move no bytes and the remote would never see the
+    page, so it moves (the landing frees the copy) and is written through on the way."""
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path,
+                 remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    cfg.disk.write, cfg.disk.write_interval = "through", 0.01
+    async with Store.open(cfg) as a:
+        for i in range(3):                          # 12 blocks: 8 on the GPU, 4 in the host
+            await fill(a, prompt(i, blocks=4))
+            await a.drain()
+        core = a.core
+        assert a.stats()["write_through"]["copies"] > 0
+        held_victims = a.moves.pick_victims(HOST, 0, core.queue_len(HOST, 0))   # the host: all in flight
+        held_slots = core.allocate(HOST, 0, core.free(HOST, 0))
+        before = a.stats()["remote"]["written_pages"]
+        victims = a.moves.pick_victims(GPU, 0, 4)
+        ids = victims.tolist()
+        assert all(core.page_info(core.copy_of(i))["tier"] == DISK for i in ids)
+        core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
+        await a.drain()
+        assert [core.page_info(i)["tier"] for i in ids] == [DISK] * 4
+        assert a.stats()["remote"]["written_pages"] == before + 4
+        a.moves.unclaim(held_victims, None)
+        core.give_back(HOST, 0, held_slots)
+        a.check_consistency()
+    async with Store.open(remote_cfg(server.url)) as b:
+        seq = await b.open_sequence(tokens=prompt(1, blocks=4))
+        try:
+            assert seq.matched_by_tier["remote"] == 4
+            await seq.acquire()
+            for blk in range(4):
+                assert (read_block(b, seq, 0, blk) == expected_block(b, seq, 0, blk)).all(), blk
+        finally:
+            await seq.close()
