@@ -440,17 +440,24 @@ class Moves:
                 self.unclaim(victims, None)
                 raise
             else:
-                try:
-                    return done + await self.move(victims, nxt, slots, handoff=True)
-                except DiskFullError as exc:
-                    # the filesystem takes no more: the disk keeps what it has, and victims that are
-                    # only cached copies are dropped instead of spilled (a later spill retries)
-                    if nxt != DISK or not self.core.droppable(victims):
-                        raise
-                    self._disk_full(exc, len(victims))
-                    # the failed move ended their claims: claim them again, so that the drop below
-                    # frees each slot once (a subtree drop must not free a victim's slot under it)
-                    self.claim(victims, DISK)
+                freed, failed = await self._move_batches(victims, nxt, slots, handoff=True)
+                if not failed:
+                    return done + freed
+                # the filesystem takes no more: the disk keeps what it has (the batches that landed
+                # included), and victims that are only cached copies are dropped instead of spilled
+                # (a later spill retries)
+                unmoved = Pages([i for batch, _ in failed for i in batch.tolist()])
+                if nxt != DISK or not all(isinstance(e, DiskFullError) for _, e in failed) \
+                        or not self.core.droppable(unmoved):
+                    if freed:
+                        self._give_back_source(victims, freed)
+                    raise failed[0][1]
+                done += freed
+                victims = unmoved
+                self._disk_full(failed[0][1], len(victims))
+                # the failed move ended their claims: claim them again, so that the drop below
+                # frees each slot once (a subtree drop must not free a victim's slot under it)
+                self.claim(victims, DISK)
                 break
         if self.remote is not None and self.remote.settings.write == "back" and tier != GPU:
             try:
@@ -502,28 +509,55 @@ class Moves:
         group). With ``handoff`` the source slots are returned to the caller
         instead of freed. On failure every batch's claims are settled and the
         first error is raised (after the others finish)."""
+        freed, failed = await self._move_batches(pages, dst_tier, slots, handoff)
+        if failed:
+            if handoff and freed:     # source slots of the batches that did move: nobody takes them now
+                self._give_back_source(pages, freed)
+            raise failed[0][1]
+        return freed
+
+    def _give_back_source(self, pages: Pages, slots: list[int]) -> None:
+        """Give ``slots`` back to the pool of ``pages``' source (tier, group): one for all of them."""
+        info = self.core.page_info(pages.slice(0, 1).tolist()[0])
+        self.core.give_back(info["tier"], info["group"], slots)
+
+    async def _move_batches(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
+                            handoff: bool) -> tuple[list[int], list[tuple[Pages, BaseException]]]:
+        """``move``'s batches: the source slots the landed ones freed (``handoff``), and each
+        batch that failed with its error (its pages unclaimed, still in their source tier).
+        Cancelled, it cancels the batches; the source slots of those that had landed go back."""
         batches = self.core.split_batches(pages, dst_tier)
         if len(batches) == 1:           # the common case, one batch: no task, no gather
             _, _, g, batch = batches[0]
-            return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff)
+            try:
+                return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff), []
+            except Exception as exc:
+                return [], [(batch, exc)]
         jobs = []
         for _, _, g, batch in batches:
             mine = sorted(slots[g][:len(batch)])
             del slots[g][:len(batch)]
-            jobs.append(self.spawn(self._move_batch(batch, dst_tier, g, mine, handoff)))
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        freed, error = [], None
-        for r in results:
-            if isinstance(r, BaseException):
-                error = error or r
-            else:
-                freed.extend(r)
-        if error is not None:
-            if handoff and freed:     # source slots of the batches that did move: nobody takes them now
-                src_tier, src_group = batches[0][0], batches[0][1]
-                self.core.give_back(src_tier, src_group, freed)
-            raise error
-        return freed
+            jobs.append((batch, self.spawn(self._move_batch(batch, dst_tier, g, mine, handoff))))
+        try:
+            await asyncio.wait([j for _, j in jobs])
+        except BaseException:
+            for _, j in jobs:
+                j.cancel()
+                if handoff:
+                    j.add_done_callback(lambda j: (self._give_back_source(pages, j.result())
+                                                   if not j.cancelled() and j.exception() is None else None))
+            raise
+        freed: list[int] = []
+        failed: list[tuple[Pages, BaseException]] = []
+        for batch, j in jobs:
+            exc = j.exception() if not j.cancelled() else asyncio.CancelledError()
+            if exc is None:
+                freed.extend(j.result())
+            elif isinstance(exc, Exception):
+                failed.append((batch, exc))
+            else:                       # a batch cancelled on its own (the store closing): as the first error
+                failed.insert(0, (batch, exc))
+        return freed, failed
 
     def tee_to_remote(self, job: Batch, batch: Pages, group: int) -> "_Tee | None":
         """Remote write-through: the bytes of a batch leaving the GPU (a demotion, or a clean

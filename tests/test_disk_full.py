@@ -76,3 +76,53 @@ async def test_a_full_disk_with_two_life_cycles_in_one_group(tmp_path):
             await seq.release()
             await seq.close()
         store.check_consistency()
+
+
+async def test_a_full_disk_refusing_one_of_a_demotions_batches(tmp_path):
+    """Review find: a GPU group whose life cycles have different codecs spans two cold groups, so
+    a GPU -> disk demotion runs two batches. When the disk refused one and took the other, the
+    refusal re-claimed and dropped every victim, the landed ones too, whose GPU slots had gone
+    back to the pool already: a slot released twice. Now the landed batch stays on the disk and
+    every victim's GPU slot goes to the caller once."""
+    import errno
+    from runtime import ReusePolicy
+    from runtime.pages import DISK, GPU, HOST
+    from helpers import config
+    from tiers.codecs import get_codec
+    kv = (("k", 256), ("v", 256))
+    layers = [LayerSpec(0, kv), LayerSpec(1, kv, window_tokens=8, sink_tokens=4, codec="int8",
+                                          reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path, layers=layers, persist_on_close=False)
+    async with Store.open(cfg) as store:
+        core = store.core
+        assert (core.n_groups(GPU), core.n_groups(DISK)) == (1, 2)
+        for base in range(4):
+            await fill(store, toks(base, 2))
+            await store.drain()
+        # the host full of pages in flight: the demotion skips to the disk
+        held = [store.moves.pick_victims(HOST, g, core.queue_len(HOST, g)) for g in range(2)]
+        held_slots = [core.allocate(HOST, g, core.free(HOST, g)) for g in range(2)]
+        victims = store.moves.pick_victims(GPU, 0, 4)
+        store.disk.inject_fault("write", errno.ENOSPC, count=1)     # the first batch's write
+        freed = await store.moves.evict(GPU, victims)
+        assert sorted(freed) == sorted(set(freed)) and len(freed) >= 4
+        core.give_back(GPU, 0, freed)
+        assert store.stats()["disk_full"]["refused_spills"] == 1
+        for g in range(2):
+            store.moves.unclaim(held[g], None)
+            core.give_back(HOST, g, held_slots[g])
+        store.check_consistency()
+        int8, lc1 = get_codec("int8"), store.layout.life_cycles[1]
+        for base in range(4):       # whatever is still matched reads back exact (life cycle 1: as int8 decodes it)
+            seq = await store.open_sequence(tokens=toks(base, 2))
+            await seq.acquire()
+            for lc in range(2):
+                redo = seq.recompute_blocks(lc)
+                for b in range(seq.matched_blocks):
+                    if b not in redo:
+                        got, want = read_block(store, seq, lc, b), expected_block(store, seq, lc, b)
+                        assert torch.equal(got, want) or lc == 1 and torch.equal(
+                            got, int8.decode(int8.encode(want[None], lc1), lc1)[0])
+            await seq.release()
+            await seq.close()
+        store.check_consistency()
