@@ -440,7 +440,7 @@ class Moves:
                 self.unclaim(victims, None)
                 raise
             else:
-                freed, failed = await self._move_batches(victims, nxt, slots, handoff=True)
+                freed, failed, src = await self._move_batches(victims, nxt, slots, handoff=True)
                 if not failed:
                     return done + freed
                 # the filesystem takes no more: the disk keeps what it has (the batches that landed
@@ -450,7 +450,7 @@ class Moves:
                 if nxt != DISK or not all(isinstance(e, DiskFullError) for _, e in failed) \
                         or not self.core.droppable(unmoved):
                     if freed:
-                        self._give_back_source(victims, freed)
+                        self.core.give_back(*src, freed)
                     raise failed[0][1]
                 done += freed
                 victims = unmoved
@@ -509,30 +509,27 @@ class Moves:
         group). With ``handoff`` the source slots are returned to the caller
         instead of freed. On failure every batch's claims are settled and the
         first error is raised (after the others finish)."""
-        freed, failed = await self._move_batches(pages, dst_tier, slots, handoff)
+        freed, failed, src = await self._move_batches(pages, dst_tier, slots, handoff)
         if failed:
             if handoff and freed:     # source slots of the batches that did move: nobody takes them now
-                self._give_back_source(pages, freed)
+                self.core.give_back(*src, freed)
             raise failed[0][1]
         return freed
 
-    def _give_back_source(self, pages: Pages, slots: list[int]) -> None:
-        """Give ``slots`` back to the pool of ``pages``' source (tier, group): one for all of them."""
-        info = self.core.page_info(pages.slice(0, 1).tolist()[0])
-        self.core.give_back(info["tier"], info["group"], slots)
-
     async def _move_batches(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
-                            handoff: bool) -> tuple[list[int], list[tuple[Pages, BaseException]]]:
-        """``move``'s batches: the source slots the landed ones freed (``handoff``), and each
-        batch that failed with its error (its pages unclaimed, still in their source tier).
-        Cancelled, it cancels the batches; the source slots of those that had landed go back."""
+                            handoff: bool) -> tuple[list[int], list[tuple[Pages, BaseException]], tuple[int, int]]:
+        """``move``'s batches: the source slots the landed ones freed (``handoff``), each batch
+        that failed with its error (its pages unclaimed, still in their source tier), and the
+        source (tier, group), one for all. Cancelled, it cancels the batches; the source slots
+        of those that had landed go back."""
         batches = self.core.split_batches(pages, dst_tier)
+        src = batches[0][0], batches[0][1]
         if len(batches) == 1:           # the common case, one batch: no task, no gather
             _, _, g, batch = batches[0]
             try:
-                return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff), []
+                return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff), [], src
             except Exception as exc:
-                return [], [(batch, exc)]
+                return [], [(batch, exc)], src
         jobs = []
         for _, _, g, batch in batches:
             mine = sorted(slots[g][:len(batch)])
@@ -544,7 +541,7 @@ class Moves:
             for _, j in jobs:
                 j.cancel()
                 if handoff:
-                    j.add_done_callback(lambda j: (self._give_back_source(pages, j.result())
+                    j.add_done_callback(lambda j: (self.core.give_back(*src, j.result())
                                                    if not j.cancelled() and j.exception() is None else None))
             raise
         freed: list[int] = []
@@ -557,7 +554,7 @@ class Moves:
                 failed.append((batch, exc))
             else:                       # a batch cancelled on its own (the store closing): as the first error
                 failed.insert(0, (batch, exc))
-        return freed, failed
+        return freed, failed, src
 
     def tee_to_remote(self, job: Batch, batch: Pages, group: int) -> "_Tee | None":
         """Remote write-through: the bytes of a batch leaving the GPU (a demotion, or a clean

@@ -349,7 +349,12 @@ class Failed(Exception):
 
 
 class MoveFailed(Failed):
-    """A copy failed (the engine's error, or a corrupt disk page)."""
+    """A copy failed (the engine's error, or a corrupt disk page); ``full``: a disk write the
+    full filesystem refused (the Store's DiskFullError)."""
+
+    def __init__(self, msg: str, full: bool = False) -> None:
+        super().__init__(msg)
+        self.full = full
 
 
 class Pending:
@@ -459,7 +464,21 @@ class Driver:
                         self.call("unclaim", victims)
                         raise
                 else:
-                    return handed + self.move_claimed(victims, nxt, slots, handoff=True)
+                    freed, failed, _src = self.move_batches(victims, nxt, slots, handoff=True)
+                    if not failed:
+                        return handed + freed
+                    # as the Store: a full disk keeps the batches that landed, and the refused
+                    # victims are claimed again and dropped when they may be; else the error
+                    unmoved = PP.of([i for b in failed for i in b.tolist()])
+                    if nxt != DISK or not all(e.full for e in failed.values()) \
+                            or not self.call("droppable", unmoved):
+                        if freed:
+                            self.call("release_slots", tier, group, freed, 0)
+                        raise next(iter(failed.values()))
+                    handed += freed
+                    victims = unmoved
+                    self.call("claim", victims, DISK, False)
+                    break
             _claims, freed = self.call("drop_victims", tier, victims)
             return handed + freed
         except Failed:
@@ -468,20 +487,26 @@ class Driver:
             raise
 
     def move_claimed(self, pages: PP, dst_tier: int, slots: dict[int, list[int]], handoff: bool) -> list[int]:
+        freed, failed, src = self.move_batches(pages, dst_tier, slots, handoff)
+        if failed:
+            if handoff and freed:
+                self.call("release_slots", *src, freed, 0)
+            raise next(iter(failed.values()))
+        return freed
+
+    def move_batches(self, pages: PP, dst_tier: int, slots: dict[int, list[int]],
+                     handoff: bool) -> tuple[list[int], dict, tuple[int, int]]:
+        """The slots the landed batches freed, {failed batch: its error}, and the source (tier, group)."""
+        freed, failed = [], {}
         batches = self.call("split_batches", pages, dst_tier)
-        freed, error = [], None
         for _src_tier, _src_group, g, batch in batches:
             mine = sorted(slots[g][:len(batch)])
             del slots[g][:len(batch)]
             try:
                 freed += self.move_batch(batch, dst_tier, g, mine, handoff)
             except MoveFailed as exc:
-                error = error or exc
-        if error is not None:
-            if handoff and freed:
-                self.call("release_slots", batches[0][0], batches[0][1], freed, 0)
-            raise error
-        return freed
+                failed[batch] = exc
+        return freed, failed, (batches[0][0], batches[0][1])
 
     def move_batch(self, batch: PP, dst_tier: int, g: int, dst_slots: list[int], handoff: bool) -> list[int]:
         src_tier, _src_group, src_slots, _lcs, _ready = self.call("batch_view", batch)
@@ -493,7 +518,7 @@ class Driver:
             if src_tier == DISK and self.rng.random() < 0.6:
                 bad = self.rng.sample(src_slots, self.rng.randint(1, len(src_slots)))
                 self.call("discard_corrupt", batch, bad)
-            raise MoveFailed("copy failed")
+            raise MoveFailed("copy failed", full=dst_tier == DISK and self.rng.random() < 0.5)
         event = next(self.events) if self.rng.random() < 0.9 else 0
         if src_tier == HOST and dst_tier == DISK and self.rng.random() < 0.5:
             # a spill written behind: its source rows were copied out, its slots need no fence
@@ -986,7 +1011,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.d.prefetch(self._seq(data), data.draw(st.booleans()))
 
     def op_demote(self, data):
-        tiers = [t for t in (GPU, HOST) if self.d.capacity[t] and t != self.d.last_tier]
+        # the disk's reclaimer drops (or writes back) from the last tier too; the host's, only above one
+        tiers = [t for t in (GPU, HOST, DISK) if self.d.capacity[t] and (t != self.d.last_tier or t == DISK)]
         if tiers:
             tier = data.draw(st.sampled_from(tiers))
             group = data.draw(st.integers(0, len(self.d.capacity[tier]) - 1))
