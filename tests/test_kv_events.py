@@ -106,6 +106,30 @@ async def test_an_index_built_from_events_equals_every_tier(tmp_path):
         assert st["drops"] > 0 and st["events"]["dropped"] == 0
 
 
+@pytest.mark.parametrize("host_write,disk_write", [("through", "back"), ("back", "through"), ("through", "through")])
+async def test_clean_copies_are_reported_in_their_tiers(tmp_path, host_write, disk_write):
+    """Write-through: a block with clean copies is held by several tiers at once, and routers are
+    told so (a copy landing is a BlockStored in its tier, leaving a BlockRemoved; a demotion onto
+    a copy only removes the block from the tier it left)."""
+    index = RouterIndex()
+    cfg = events_cfg(tmp_path)
+    cfg.host.write, cfg.host.write_interval = host_write, 0.01
+    cfg.disk.write, cfg.disk.write_interval = disk_write, 0.01
+    async with Store.open(cfg) as store:
+        await run_workload(store, index, seed=2)
+        await store.drain()
+        index.feed(store)
+        assert index.held == store.kv_events.holdings()
+        media: dict[tuple[int, int], set[str]] = {}
+        for h, m, g in index.held:
+            media.setdefault((h, g), set()).add(m)
+        assert any(len(m) > 1 for m in media.values())      # a block and its copy, both told
+        st = store.stats()
+        wt = st["host_write_through" if host_write == "through" else "write_through"]
+        assert wt["copies"] > 0 and wt["free_demotions"] > 0, wt
+        store.check_consistency()
+
+
 async def test_tokens_travel_with_their_blocks_between_tiers(tmp_path):
     """A block written with tokens= keeps them in every later BlockStored (host, disk)."""
     cfg = config(gpu=4, host=4, disk=16, disk_dir=tmp_path, events=EventsConfig())

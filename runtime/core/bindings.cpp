@@ -490,13 +490,14 @@ NB_MODULE(_core, m) {
       .def("kv_event_count", [](Core& c) { return c.kv_events().pending(); })
       .def("published_hashes", [](const Core& c) {
              // what each tier holds as routers see it: (hashes u64, tiers i8, lcs u8) as bytes, one per
-             // live published page (tests compare it with the events; a snapshot for late joiners)
+             // live published page or clean copy (tests compare it with the events; a snapshot for late joiners)
              std::vector<uint64_t> h;
              std::vector<int8_t> t;
              std::vector<uint8_t> l;
              for (size_t id = 0; id < c.page_count(); ++id) {
                const kvtier::Page& p = c.page(int32_t(id));
-               if (!p.in_use() || p.dead || !p.published || p.block < 0 || !c.block(p.block).has_key) continue;
+               if (!p.in_use() || p.dead || !(p.published || p.copy) || p.block < 0 || !c.block(p.block).has_key)
+                 continue;
                h.push_back(kvtier::external_hash(c.block(p.block).key));
                t.push_back(p.tier);
                l.push_back(p.lc);

@@ -163,7 +163,7 @@ void Core::note_arrivals(const Ids& batch) {
   kids.clear();
   for (int32_t id : batch) {
     const Page& p = pt_[id];
-    if (p.published && p.block >= 0) order.push_back({index_.blocks[p.block].depth, id});
+    if ((p.published || p.copy) && p.block >= 0) order.push_back({index_.blocks[p.block].depth, id});
   }
   std::sort(order.begin(), order.end());
   for (size_t i = 0; i < order.size(); ++i) {
@@ -1160,8 +1160,9 @@ Settled Core::land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst
       kept.push_back(p.slot);
     } else {
       freed.push_back(p.slot);
+      // (a kept page's source tier goes on holding its block, through the copy: no event)
+      if (kv_events_.on && p.published) note(KV_REMOVED, batch[i]);
     }
-    if (kv_events_.on && p.published) note(KV_REMOVED, batch[i]);
     p.tier = int8_t(dst_tier);
     p.group = uint8_t(dst_group);
     p.slot = dst_slots[i];
@@ -1236,7 +1237,8 @@ void Core::link_copy(int32_t primary, int32_t c) {
   ++counters_.copies[pt_[c].tier];
 }
 
-void Core::unlink_copy(int32_t c) {
+void Core::unlink_copy(int32_t c, bool removed) {
+  if (removed && kv_events_.on) note(KV_REMOVED, c);
   int32_t prev = index_.page(pt_[c].block, pt_[c].lc);
   while (prev >= 0 && copy_of_[size_t(prev)] != c) prev = copy_of(prev);
   require(prev >= 0, "unlink_copy: a copy that is in no chain");
@@ -1311,6 +1313,7 @@ Ids Core::land_copies(const Ids& batch, int tier, int32_t group, const Ids& slot
             "land_copies: a slot that is not allocated, or owned");
     require(pt_[batch[i]].claim < 0, "land_copies: a page without a copy claim");
   }
+  Ids made;                                        // the new copies (KV events on)
   for (size_t i = 0; i < batch.size(); ++i) {
     int32_t id = batch[i];
     const Page& p = pt_[id];
@@ -1328,10 +1331,12 @@ Ids Core::land_copies(const Ids& batch, int tier, int32_t group, const Ids& slot
       link_copy(id, c);
       ++counters_.copies_made[tier];
       queues_[tier][group].push(pt_, c);
+      if (kv_events_.on) made.push_back(c);
     } else {
       release_slot(tier, group, slots[i], event);
     }
   }
+  if (!made.empty()) note_arrivals(made);            // the tier holds these blocks now, through their copies
   Ids live;
   Ids settled = end_claims(batch, live);
   queue_all(live);
@@ -1375,10 +1380,11 @@ Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
       }
       continue;
     }
+    // the page leaves its tier; the copy's tier held the block already (its copy was reported)
     if (kv_events_.on && p.published) note(KV_REMOVED, id);
     Page& cp = pt_[c];
     unqueue(c);
-    unlink_copy(c);
+    unlink_copy(c, false);
     free_copies(id, dst_tier);                      // copies warmer than its new tier (skipped to the disk)
     p.tier = cp.tier;
     p.group = cp.group;
@@ -1392,12 +1398,6 @@ Ids Core::swap_to_copies(const Ids& victims, int dst_tier, Settled& out) {
   }
   if (done.empty()) return rest;
   if (!shed_disk.empty()) disk_frees_.push_back({disk_group, shed_disk});
-  if (kv_events_.on) {
-    Ids moved;
-    for (int32_t id : done)
-      if (!pt_[id].copy) moved.push_back(id);
-    if (!moved.empty()) note_arrivals(moved);
-  }
   Ids still;                                        // claims a victim still to move holds stay open
   for (int32_t id : rest)
     if (pt_[id].claim && std::find(still.begin(), still.end(), pt_[id].claim) == still.end()) still.push_back(pt_[id].claim);

@@ -323,7 +323,8 @@ class Core {
   bool any_write_through() const { return wt_[HOST].on || wt_[DISK].on; }
   int32_t copy_in(int32_t primary, int tier) const;    // the chain's copy in `tier`; -1: none
   void link_copy(int32_t primary, int32_t c);           // c joins the chain in its tier's place
-  void unlink_copy(int32_t c);                          // c leaves its chain (not freed)
+  // c leaves its chain (not freed); `removed`: its tier no longer holds the block (a KV event)
+  void unlink_copy(int32_t c, bool removed = true);
   // The chain's copies in `tier` and warmer leave the store (slots freed, or kept by a claim).
   void free_copies(int32_t primary, int tier = DISK);
   void queue_copy(int32_t id);                 // into the pending FIFO of each write-through tier colder than it

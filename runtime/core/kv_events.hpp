@@ -2,15 +2,19 @@
 // routers (vLLM's BlockStored / BlockRemoved, see runtime/events.py).
 //
 // "A tier holds a block's page" means: the page is published (indexed for
-// reuse) and lives in that tier. The core appends one entry whenever that
-// changes: a commit publishes, a move lands (removed from the source tier,
-// stored in the destination), a drop or a subtree drop unpublishes, recovery
-// publishes on disk. Python drains the log in batches; it costs nothing when
-// off (one predictable branch per change).
+// reuse) and lives in that tier, or a clean copy of it does (write-through).
+// The core appends one entry whenever that changes: a commit publishes, a
+// move lands (removed from the source tier, stored in the destination; a
+// promotion that keeps its cold slot as a copy is not removed there), a copy
+// lands or leaves, a drop or a subtree drop unpublishes (its copies leave), a
+// demotion onto a copy leaves its tier (the copy's tier held the block
+// already), recovery publishes on disk. Python drains the log in batches; it
+// costs nothing when off (one predictable branch per change).
 //
 // Invariants:
 // - entries are in the order the changes happened; replaying them gives, per
-//   (tier, life cycle), exactly the set of published pages' block hashes;
+//   (tier, life cycle), exactly the set of block hashes of the published
+//   pages and live clean copies there (a block is in one tier or several);
 // - a STORED entry's `token_at` indexes `tokens` (tpb tokens) or is -1 when
 //   the block's tokens are unknown (a block_keys= sequence, a recovered page);
 // - a block id's tokens are "known" only while they were written for it: the
