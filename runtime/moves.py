@@ -386,14 +386,15 @@ class Moves:
         Under write-through, the clean copies among the victims leave first (their primaries
         stay), and victims that have a copy in the tier they go to take over their copy's slot:
         no bytes move (a full next tier sending them on to the disk included)."""
-        if not self.write_throughs:
-            return await self._evict_claimed(tier, victims, None)
-        group = self.core.page_info(victims.slice(0, 1).tolist()[0])["group"] if victims else 0
+        if not victims:
+            return []
+        group = self.core.group_counts(victims, tier)[0][0]     # the victims' (one) group
         handed: list[int] = []
         try:
             return await self._evict_claimed(tier, victims, handed)
         except BaseException:
-            self.core.give_back(tier, group, handed)    # the swapped victims' slots: nobody takes them now
+            # slots of victims that needed no move or landed before the failure: nobody takes them now
+            self.core.give_back(tier, group, handed)
             raise
 
     def _swap_to_copies(self, victims: Pages, to: int, handed: list[int]) -> Pages:
@@ -405,21 +406,28 @@ class Moves:
         return rest
 
     def _may_swap(self, tier: int, to: int) -> bool:
-        """Whether victims leaving ``tier`` may swap onto their copies in ``to``. Not GPU pages
-        onto copies the remote's write-through never saw: it tees copies only in the tier the
-        GPU demotes to (write_through), and sees a page leave the GPU by its move's bytes, so a
-        GPU page skipping a full host onto its disk copy moves (the landing frees the copy)."""
+        """Whether victims leaving ``tier`` may swap onto their copies in ``to`` before trying to
+        move. Not GPU pages onto copies the remote's write-through never saw: it tees copies only
+        in the tier the GPU demotes to (write_through), and sees a page leave the GPU by its
+        move's bytes, so a GPU page skipping a full host onto its disk copy moves (the landing
+        frees the copy); only if the disk refuses the move does it swap (``_evict_claimed``)."""
         remote = self.remote
         return (tier != GPU or to == self.next_tier[GPU] or remote is None
                 or remote.settings.write != "through")
 
-    async def _evict_claimed(self, tier: int, victims: Pages, handed: list[int] | None) -> list[int]:
-        """``evict``; ``handed`` (write-through on) collects the slots of victims that need no
-        move, and the result starts with them."""
+    async def _evict_claimed(self, tier: int, victims: Pages, done: list[int]) -> list[int]:
+        """``evict``; ``done`` collects the slots of victims that need no move (and of those that
+        landed, if others fail), and the result starts with them."""
         nxt = self.next_tier[tier]
-        done: list[int] = handed if handed is not None else []
-        if handed is not None:
-            victims = self._swap_to_copies(victims, tier if nxt is None else nxt, handed)
+        swaps = bool(self.write_throughs)
+        declined: int | None = None         # a tier whose copies the victims did not swap onto (_may_swap)
+
+        def swap_declined() -> Pages:
+            """The victims' last chance before a drop or an error: the copies they passed over."""
+            return self._swap_to_copies(victims, declined, done) if declined is not None else victims
+
+        if swaps:
+            victims = self._swap_to_copies(victims, tier if nxt is None else nxt, done)
             if not victims:
                 return done
         while nxt is not None:
@@ -428,11 +436,18 @@ class Moves:
             except OutOfPagesError:
                 # the next tier is full of locked, held or in-flight pages: skip to a colder one
                 # (cold groups are the same in host and disk); drop only when none can take them
+                victims = swap_declined()
+                declined = None
+                if not victims:
+                    return done
                 nxt = self.next_tier[nxt]
-                if nxt is not None and handed is not None and self._may_swap(tier, nxt):
-                    victims = self._swap_to_copies(victims, nxt, handed)
-                    if not victims:
-                        return done
+                if nxt is not None and swaps:
+                    if self._may_swap(tier, nxt):
+                        victims = self._swap_to_copies(victims, nxt, done)
+                        if not victims:
+                            return done
+                    else:
+                        declined = nxt
                 if nxt is None and not self.core.droppable(victims):
                     self.unclaim(victims, None)
                     raise
@@ -440,24 +455,28 @@ class Moves:
                 self.unclaim(victims, None)
                 raise
             else:
-                freed, failed, src = await self._move_batches(victims, nxt, slots, handoff=True)
-                if not failed:
-                    return done + freed
-                # the filesystem takes no more: the disk keeps what it has (the batches that landed
-                # included), and victims that are only cached copies are dropped instead of spilled
-                # (a later spill retries)
-                unmoved = Pages([i for batch, _ in failed for i in batch.tolist()])
-                if nxt != DISK or not all(isinstance(e, DiskFullError) for _, e in failed) \
-                        or not self.core.droppable(unmoved):
-                    if freed:
-                        self.core.give_back(*src, freed)
-                    raise failed[0][1]
+                # a batch the full disk refuses keeps its claims (hold_full): nothing else may take
+                # its pages while the other batches finish, as they may be dropped below
+                freed, failed, _src = await self._move_batches(victims, nxt, slots, handoff=True, hold_full=True)
                 done += freed
-                victims = unmoved
-                self._disk_full(failed[0][1], len(victims))
-                # the failed move ended their claims: claim them again, so that the drop below
-                # frees each slot once (a subtree drop must not free a victim's slot under it)
-                self.claim(victims, DISK)
+                if not failed:
+                    return done
+                held = [(b, e) for b, e in failed if isinstance(e, DiskFullError)]     # still claimed
+                victims = Pages([i for b, _ in held for i in b.tolist()])
+                if len(held) < len(failed):         # another error: the refused pages stay where they are
+                    if victims:
+                        self.unclaim(victims, held[0][1])
+                    raise next(e for _, e in failed if not isinstance(e, DiskFullError))
+                # the filesystem takes no more: the disk keeps what it has (the batches that landed
+                # included); refused victims swap onto the copies they passed over, and those that
+                # are only cached pages are dropped instead of spilled (a later spill retries)
+                self._disk_full(held[0][1], len(victims))
+                victims = swap_declined()
+                if not victims:
+                    return done
+                if not self.core.droppable(victims):
+                    self.unclaim(victims, held[0][1])
+                    raise held[0][1]
                 break
         if self.remote is not None and self.remote.settings.write == "back" and tier != GPU:
             try:
@@ -516,33 +535,34 @@ class Moves:
             raise failed[0][1]
         return freed
 
-    async def _move_batches(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]],
-                            handoff: bool) -> tuple[list[int], list[tuple[Pages, BaseException]], tuple[int, int]]:
+    async def _move_batches(self, pages: Pages, dst_tier: int, slots: dict[int, list[int]], handoff: bool,
+                            hold_full: bool = False) -> tuple[list[int], list[tuple[Pages, BaseException]],
+                                                              tuple[int, int]]:
         """``move``'s batches: the source slots the landed ones freed (``handoff``), each batch
-        that failed with its error (its pages unclaimed, still in their source tier), and the
-        source (tier, group), one for all. Cancelled, it cancels the batches; the source slots
-        of those that had landed go back."""
+        that failed with its error (its pages unclaimed, still in their source tier; with
+        ``hold_full``, those the full disk refused still claimed: the caller settles them), and
+        the source (tier, group), one for all. Cancelled, it cancels the batches; the source
+        slots of those that had landed go back, and held claims end."""
         batches = self.core.split_batches(pages, dst_tier)
         src = batches[0][0], batches[0][1]
         if len(batches) == 1:           # the common case, one batch: no task, no gather
             _, _, g, batch = batches[0]
             try:
-                return await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff), [], src
+                return (await self._move_batch(batch, dst_tier, g, sorted(slots[g][:len(batch)]), handoff,
+                                               hold_full), [], src)
             except Exception as exc:
                 return [], [(batch, exc)], src
         jobs = []
         for _, _, g, batch in batches:
             mine = sorted(slots[g][:len(batch)])
             del slots[g][:len(batch)]
-            jobs.append((batch, self.spawn(self._move_batch(batch, dst_tier, g, mine, handoff))))
+            jobs.append((batch, self.spawn(self._move_batch(batch, dst_tier, g, mine, handoff, hold_full))))
         try:
             await asyncio.wait([j for _, j in jobs])
         except BaseException:
-            for _, j in jobs:
+            for batch, j in jobs:
                 j.cancel()
-                if handoff:
-                    j.add_done_callback(lambda j: (self.core.give_back(*src, j.result())
-                                                   if not j.cancelled() and j.exception() is None else None))
+                j.add_done_callback(lambda j, batch=batch: self._abandoned(j, batch, src, handoff, hold_full))
             raise
         freed: list[int] = []
         failed: list[tuple[Pages, BaseException]] = []
@@ -555,6 +575,19 @@ class Moves:
             else:                       # a batch cancelled on its own (the store closing): as the first error
                 failed.insert(0, (batch, exc))
         return freed, failed, src
+
+    def _abandoned(self, job: asyncio.Task, batch: Pages, src: tuple[int, int], handoff: bool,
+                   hold_full: bool) -> None:
+        """A batch of a move cancelled while it ran, once it ends: the source slots it freed go
+        back (``handoff``); the claims it held (a refusal under ``hold_full``) end."""
+        if job.cancelled():
+            return
+        exc = job.exception()           # retrieved, either way
+        if exc is None:
+            if handoff:
+                self.core.give_back(*src, job.result())
+        elif hold_full and isinstance(exc, DiskFullError):
+            self.unclaim(batch, exc)
 
     def tee_to_remote(self, job: Batch, batch: Pages, group: int) -> "_Tee | None":
         """Remote write-through: the bytes of a batch leaving the GPU (a demotion, or a clean
@@ -574,7 +607,9 @@ class Moves:
         return tee
 
     async def _move_batch(self, batch: Pages, dst_tier: int, g: int, dst_slots: list[int],
-                          handoff: bool) -> list[int]:
+                          handoff: bool, hold_full: bool = False) -> list[int]:
+        """One batch; on failure its destination slots go back and its claims end, but with
+        ``hold_full`` a batch the full disk refused keeps them (``_move_batches``)."""
         core = self.core
         src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
         fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
@@ -591,7 +626,8 @@ class Moves:
                 tee.release()
             self.engine.stats.failures[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += 1
             core.give_back(dst_tier, g, dst_slots)
-            self.unclaim(batch, exc)
+            if not (hold_full and isinstance(exc, DiskFullError)):
+                self.unclaim(batch, exc)
             if isinstance(exc, CorruptPageError):
                 depths = core.discard_corrupt(batch, list(getattr(exc, "slots", ())))
                 self.corrupt_pages += len(depths)

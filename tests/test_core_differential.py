@@ -436,10 +436,11 @@ class Driver:
         write-through, copies among the victims leave and victims with a copy in the next tier
         take it over first (no bytes move), as the Store does; when a colder tier was full and
         the victims skip to the disk, only sometimes onto their disk copies, so that the rest land
-        on the disk with their copies (which then go)."""
+        on the disk with their copies (which then go), or, refused by a full disk, swap then."""
         nxt = self.next_tier[tier]
         handed: list[int] = []
         first = True
+        declined = -1                   # the tier whose copies the victims passed over (the Store's _may_swap)
         try:
             if self.write_through and nxt == -1:        # the last tier: its copies leave before the drop
                 _claims, slots, victims = self.call("swap_to_copies", victims, tier)
@@ -447,11 +448,14 @@ class Driver:
                 if not len(victims):
                     return handed
             while nxt != -1:
+                declined = -1
                 if self.write_through and (first or self.rng.random() < 0.5):
                     _claims, slots, victims = self.call("swap_to_copies", victims, nxt)
                     handed += slots
                     if not len(victims):
                         return handed
+                elif self.write_through:
+                    declined = nxt
                 first = False
                 try:
                     slots = self.obtain_many(nxt, self.call("group_counts", victims, nxt))
@@ -464,20 +468,27 @@ class Driver:
                         self.call("unclaim", victims)
                         raise
                 else:
-                    freed, failed, _src = self.move_batches(victims, nxt, slots, handoff=True)
-                    if not failed:
-                        return handed + freed
-                    # as the Store: a full disk keeps the batches that landed, and the refused
-                    # victims are claimed again and dropped when they may be; else the error
-                    unmoved = PP.of([i for b in failed for i in b.tolist()])
-                    if nxt != DISK or not all(e.full for e in failed.values()) \
-                            or not self.call("droppable", unmoved):
-                        if freed:
-                            self.call("release_slots", tier, group, freed, 0)
-                        raise next(iter(failed.values()))
+                    freed, failed, _src = self.move_batches(victims, nxt, slots, handoff=True, hold_full=True)
                     handed += freed
-                    victims = unmoved
-                    self.call("claim", victims, DISK, False)
+                    if not failed:
+                        return handed
+                    # as the Store: a full disk keeps the batches that landed; the refused victims
+                    # (still claimed) swap onto the copies they passed over, and are dropped when
+                    # they may be; else they are unclaimed and the error raised
+                    held = [b for b, e in failed.items() if e.full]
+                    victims = PP.of([i for b in held for i in b.tolist()])
+                    if len(held) < len(failed):
+                        if held:
+                            self.call("unclaim", victims)
+                        raise next(e for e in failed.values() if not e.full)
+                    if declined != -1:
+                        _claims, slots, victims = self.call("swap_to_copies", victims, declined)
+                        handed += slots
+                        if not len(victims):
+                            return handed
+                    if not self.call("droppable", victims):
+                        self.call("unclaim", victims)
+                        raise next(iter(failed.values()))
                     break
             _claims, freed = self.call("drop_victims", tier, victims)
             return handed + freed
@@ -494,31 +505,35 @@ class Driver:
             raise next(iter(failed.values()))
         return freed
 
-    def move_batches(self, pages: PP, dst_tier: int, slots: dict[int, list[int]],
-                     handoff: bool) -> tuple[list[int], dict, tuple[int, int]]:
-        """The slots the landed batches freed, {failed batch: its error}, and the source (tier, group)."""
+    def move_batches(self, pages: PP, dst_tier: int, slots: dict[int, list[int]], handoff: bool,
+                     hold_full: bool = False) -> tuple[list[int], dict, tuple[int, int]]:
+        """The slots the landed batches freed, {failed batch: its error}, and the source (tier, group);
+        with ``hold_full`` a batch the full disk refused keeps its claims."""
         freed, failed = [], {}
         batches = self.call("split_batches", pages, dst_tier)
         for _src_tier, _src_group, g, batch in batches:
             mine = sorted(slots[g][:len(batch)])
             del slots[g][:len(batch)]
             try:
-                freed += self.move_batch(batch, dst_tier, g, mine, handoff)
+                freed += self.move_batch(batch, dst_tier, g, mine, handoff, hold_full)
             except MoveFailed as exc:
                 failed[batch] = exc
         return freed, failed, (batches[0][0], batches[0][1])
 
-    def move_batch(self, batch: PP, dst_tier: int, g: int, dst_slots: list[int], handoff: bool) -> list[int]:
+    def move_batch(self, batch: PP, dst_tier: int, g: int, dst_slots: list[int], handoff: bool,
+                   hold_full: bool = False) -> list[int]:
         src_tier, _src_group, src_slots, _lcs, _ready = self.call("batch_view", batch)
         self.call("slot_fences", dst_tier, g, dst_slots)
         self.call("disk_records", batch)
         if self.fail_rate and self.rng.random() < self.fail_rate:
+            full = dst_tier == DISK and self.rng.random() < 0.5
             self.call("give_back", dst_tier, g, dst_slots)
-            self.call("unclaim", batch)
+            if not (hold_full and full):
+                self.call("unclaim", batch)
             if src_tier == DISK and self.rng.random() < 0.6:
                 bad = self.rng.sample(src_slots, self.rng.randint(1, len(src_slots)))
                 self.call("discard_corrupt", batch, bad)
-            raise MoveFailed("copy failed", full=dst_tier == DISK and self.rng.random() < 0.5)
+            raise MoveFailed("copy failed", full=full)
         event = next(self.events) if self.rng.random() < 0.9 else 0
         if src_tier == HOST and dst_tier == DISK and self.rng.random() < 0.5:
             # a spill written behind: its source rows were copied out, its slots need no fence

@@ -7,6 +7,7 @@ import os
 import torch
 
 from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, Store, StoreConfig
+from tiers.errors import DiskFullError
 
 from helpers import DEVICE, expected_block, fill, read_block, toks
 
@@ -125,4 +126,57 @@ async def test_a_full_disk_refusing_one_of_a_demotions_batches(tmp_path):
                             got, int8.decode(int8.encode(want[None], lc1), lc1)[0])
             await seq.release()
             await seq.close()
+        store.check_consistency()
+
+
+async def test_refused_victims_stay_claimed_while_the_other_batch_runs(tmp_path):
+    """Review find: while the demotion's other batch was still copying, the refused batch's
+    pages were already unclaimed, so another eviction could claim (or a request lock) them
+    before they were claimed again and dropped: a claim error, leaked slots, host slots handed
+    out as GPU slots. A refused batch now keeps its claims until the demotion settles it."""
+    import asyncio
+    import errno
+    from runtime import ReusePolicy
+    from runtime.pages import DISK, GPU, HOST
+    from helpers import config
+    kv = (("k", 256), ("v", 256))
+    layers = [LayerSpec(0, kv), LayerSpec(1, kv, window_tokens=8, sink_tokens=4, codec="int8",
+                                          reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path, layers=layers, persist_on_close=False)
+    async with Store.open(cfg) as store:
+        core, moves = store.core, store.moves
+        for base in range(4):
+            await fill(store, toks(base, 2))
+            await store.drain()
+        held = [moves.pick_victims(HOST, g, core.queue_len(HOST, g)) for g in range(2)]
+        held_slots = [core.allocate(HOST, g, core.free(HOST, g)) for g in range(2)]
+        victims = moves.pick_victims(GPU, 0, 4)
+        store.disk.inject_fault("write", errno.ENOSPC, count=1)
+        real, calls, refused = moves._move_batch, [0], []
+
+        async def second_is_slow(batch, *args):
+            calls[0] += 1
+            if calls[0] == 2:
+                await asyncio.sleep(0.2)            # the first batch is refused meanwhile
+            try:
+                return await real(batch, *args)
+            except DiskFullError:
+                refused.extend(batch.tolist())
+                raise
+
+        moves._move_batch = second_is_slow
+        evicting = asyncio.ensure_future(moves.evict(GPU, victims))
+        while not refused:
+            await asyncio.sleep(0.01)
+        assert all(core.page_info(i)["claim"] for i in refused)
+        other = moves.pick_victims(GPU, 0, core.queue_len(GPU, 0), raise_=False)   # the rest of the GPU
+        assert other is None or not set(other.tolist()) & set(refused)
+        freed = await evicting
+        assert sorted(freed) == sorted(set(freed)) and len(freed) == 4
+        core.give_back(GPU, 0, freed)
+        if other is not None:
+            moves.unclaim(other, None)
+        for g in range(2):
+            moves.unclaim(held[g], None)
+            core.give_back(HOST, g, held_slots[g])
         store.check_consistency()

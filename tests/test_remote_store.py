@@ -420,3 +420,40 @@ async def test_a_page_skipping_a_full_host_onto_its_disk_copy_is_written_through
                 assert (read_block(b, seq, 0, blk) == expected_block(b, seq, 0, blk)).all(), blk
         finally:
             await seq.close()
+
+
+async def test_a_skipping_page_the_full_disk_refuses_swaps_onto_its_copy(server, tmp_path):
+    """Review find: the skipping page moves rather than swap onto its disk copy (above); when
+    the full disk refused that move, the page was dropped with the copy that held it (or, held,
+    the request failed). It now swaps onto the copy after all: kept, though the remote misses it."""
+    import errno
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path,
+                 remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    cfg.disk.write, cfg.disk.write_interval = "through", 0.01
+    async with Store.open(cfg) as a:
+        for i in range(3):
+            await fill(a, prompt(i, blocks=4))
+            await a.drain()
+        core = a.core
+        held_victims = a.moves.pick_victims(HOST, 0, core.queue_len(HOST, 0))
+        held_slots = core.allocate(HOST, 0, core.free(HOST, 0))
+        victims = a.moves.pick_victims(GPU, 0, 4)
+        ids = victims.tolist()
+        assert all(core.page_info(core.copy_of(i))["tier"] == DISK for i in ids)
+        on_disk = len(core.tier_pages(DISK, 0))
+        a.disk.inject_fault("write", errno.ENOSPC, count=1)
+        core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
+        await a.drain()
+        assert [core.page_info(i)["tier"] for i in ids] == [DISK] * 4
+        assert len(core.tier_pages(DISK, 0)) == on_disk and a.stats()["disk_full"]["refused_spills"] == 1
+        a.moves.unclaim(held_victims, None)
+        core.give_back(HOST, 0, held_slots)
+        a.check_consistency()
+        seq = await a.open_sequence(tokens=prompt(1, blocks=4))
+        try:
+            assert seq.matched_by_tier["disk"] == 4
+            await seq.acquire()
+            for blk in range(4):
+                assert (read_block(a, seq, 0, blk) == expected_block(a, seq, 0, blk)).all(), blk
+        finally:
+            await seq.close()
