@@ -46,24 +46,31 @@ async def persist(store: "Store") -> None:
 
 async def _persist_candidates(store: "Store", candidates: list) -> None:
     core = store.core
-    for g, pages in enumerate(candidates):
-        for i in range(0, len(pages), PERSIST_CHUNK):
-            # ids taken before earlier chunks' awaits: keep those still the index's pages for this group
-            chunk = core.still_persistable(pages.slice(i, i + PERSIST_CHUNK), g)
-            if not chunk:
-                continue
-            store.moves.claim(chunk, DISK)        # before evicting: a drop must not free them under us
-            try:
-                slots = await store.moves.obtain(DISK, g, len(chunk))
-            except BaseException as exc:     # out of pages, or the close was cancelled: settle the claims
-                store.moves.unclaim(chunk, exc)
-                if isinstance(exc, OutOfPagesError):
-                    break
-                raise
-            try:
-                await store.moves.move(chunk, DISK, {g: slots}, handoff=False)
-            except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on
-                log.warning("persisting %d pages at close failed: %s", len(chunk), exc)
+    failed, first = 0, None                 # pages whose chunk failed, and the first error: said once
+    try:
+        for g, pages in enumerate(candidates):
+            for i in range(0, len(pages), PERSIST_CHUNK):
+                # ids taken before earlier chunks' awaits: keep those still the index's pages for this group
+                chunk = core.still_persistable(pages.slice(i, i + PERSIST_CHUNK), g)
+                if not chunk:
+                    continue
+                store.moves.claim(chunk, DISK)        # before evicting: a drop must not free them under us
+                try:
+                    slots = await store.moves.obtain(DISK, g, len(chunk))
+                except BaseException as exc:     # out of pages, or the close was cancelled: settle the claims
+                    store.moves.unclaim(chunk, exc)
+                    if isinstance(exc, OutOfPagesError):
+                        break
+                    raise
+                try:
+                    await store.moves.move(chunk, DISK, {g: slots}, handoff=False)
+                except (OSError, KvtierError) as exc:     # those pages stay unpersisted; go on
+                    failed += len(chunk)
+                    first = first or exc
+    finally:
+        if failed:              # one line, not one per chunk (a full disk refuses them all)
+            log.warning("persisting %d page(s) at close failed (they are not kept); the first error: %s",
+                        failed, first)
 
 
 async def index_recovered(store: "Store") -> None:

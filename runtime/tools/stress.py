@@ -114,7 +114,10 @@ def _leaks(store: Store) -> int:
 
 
 def _disk_keys(store: Store) -> set:
-    return {(p.key, p.lc) for g in range(store.core.n_groups(DISK)) for p in _owned(store, DISK, g) if p.published}
+    """(key, life cycle) of every page the disk holds: published pages, and clean copies (a
+    restart recovers them as pages, and losing them is what write-through must not do)."""
+    return {(p.key, p.lc) for g in range(store.core.n_groups(DISK)) for p in _owned(store, DISK, g)
+            if (p.published or p.copy) and not p.dead}
 
 
 async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, faults: bool = False,
