@@ -470,13 +470,15 @@ class Moves:
                 # the filesystem takes no more: the disk keeps what it has (the batches that landed
                 # included); refused victims swap onto the copies they passed over, and those that
                 # are only cached pages are dropped instead of spilled (a later spill retries)
-                self._disk_full(held[0][1], len(victims))
+                exc = held[0][1]
                 victims = swap_declined()
+                if victims and not self.core.droppable(victims):
+                    self._disk_full(exc, 0)
+                    self.unclaim(victims, exc)
+                    raise exc
+                self._disk_full(exc, len(victims))      # (counted as dropped: those not swapped)
                 if not victims:
                     return done
-                if not self.core.droppable(victims):
-                    self.unclaim(victims, held[0][1])
-                    raise held[0][1]
                 break
         if self.remote is not None and self.remote.settings.write == "back" and tier != GPU:
             try:

@@ -463,6 +463,11 @@ class Driver:
                     if isinstance(exc, MoveFailed):
                         self.call("unclaim", victims)
                         raise
+                    if declined != -1:          # as the Store: the copies passed over, before going on
+                        _claims, slots, victims = self.call("swap_to_copies", victims, declined)
+                        handed += slots
+                        if not len(victims):
+                            return handed
                     nxt = self.next_tier[nxt]
                     if nxt == -1 and not self.call("droppable", victims):
                         self.call("unclaim", victims)
