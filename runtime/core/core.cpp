@@ -149,7 +149,10 @@ void Core::note(KvEventKind kind, int32_t id) {
   if (p.block < 0) return;
   const Block& x = index_.blocks[p.block];
   if (!x.has_key) return;
-  kv_events_.push(kind, p.tier, p.lc, p.block, x.key, x.parent >= 0 ? &index_.blocks[x.parent].key : nullptr);
+  // a REMOVED entry names its block alone (BlockRemoved has no parent): no look at the parent,
+  // another block's cache line, for half the entries of a store that moves pages
+  const Key* parent = kind == KV_STORED && x.parent >= 0 ? &index_.blocks[x.parent].key : nullptr;
+  kv_events_.push(kind, p.tier, p.lc, p.block, x.key, parent);
 }
 
 void Core::note_arrivals(const Ids& batch) {

@@ -36,7 +36,7 @@ enum KvEventKind : uint8_t { KV_STORED = 0, KV_REMOVED = 1 };
 // 24 bytes, laid out as runtime/events.py's EVENT dtype.
 struct KvEvent {
   uint64_t hash;            // the block's external hash (external_hash below)
-  uint64_t parent_hash;     // its parent's, when has_parent
+  uint64_t parent_hash;     // its parent's, when has_parent (STORED entries only)
   int32_t token_at;         // first token in KvEventLog::tokens, or -1
   uint8_t kind;             // KvEventKind
   int8_t tier;
