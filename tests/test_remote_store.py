@@ -3,6 +3,7 @@ are hits, bit-exact, for another store (another process too) with the same
 layout and salt, and never for any other; a dead server is a miss."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -384,49 +385,12 @@ async def test_write_back_sends_no_clean_copies(server, monkeypatch):
         a.check_consistency()
 
 
-async def test_a_page_skipping_a_full_host_onto_its_disk_copy_is_written_through(server, tmp_path):
-    """Host write-back, disk write-through: a GPU page's disk copy is not teed (the page's
-    demotion to the host is). When the host is full of pages in flight, a demotion skips to
-    the disk; swapping onto the copy would move no bytes and the remote would never see the
-    page, so it moves (the landing frees the copy) and is written through on the way."""
-    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path,
-                 remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
-    cfg.disk.write, cfg.disk.write_interval = "through", 0.01
-    async with Store.open(cfg) as a:
-        for i in range(3):                          # 12 blocks: 8 on the GPU, 4 in the host
-            await fill(a, prompt(i, blocks=4))
-            await a.drain()
-        core = a.core
-        assert a.stats()["write_through"]["copies"] > 0
-        held_victims = a.moves.pick_victims(HOST, 0, core.queue_len(HOST, 0))   # the host: all in flight
-        held_slots = core.allocate(HOST, 0, core.free(HOST, 0))
-        before = a.stats()["remote"]["written_pages"]
-        victims = a.moves.pick_victims(GPU, 0, 4)
-        ids = victims.tolist()
-        assert all(core.page_info(core.copy_of(i))["tier"] == DISK for i in ids)
-        core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
-        await a.drain()
-        assert [core.page_info(i)["tier"] for i in ids] == [DISK] * 4
-        assert a.stats()["remote"]["written_pages"] == before + 4
-        a.moves.unclaim(held_victims, None)
-        core.give_back(HOST, 0, held_slots)
-        a.check_consistency()
-    async with Store.open(remote_cfg(server.url)) as b:
-        seq = await b.open_sequence(tokens=prompt(1, blocks=4))
-        try:
-            assert seq.matched_by_tier["remote"] == 4
-            await seq.acquire()
-            for blk in range(4):
-                assert (read_block(b, seq, 0, blk) == expected_block(b, seq, 0, blk)).all(), blk
-        finally:
-            await seq.close()
-
-
-async def test_a_skipping_page_the_full_disk_refuses_swaps_onto_its_copy(server, tmp_path):
-    """Review find: the skipping page moves rather than swap onto its disk copy (above); when
-    the full disk refused that move, the page was dropped with the copy that held it (or, held,
-    the request failed). It now swaps onto the copy after all: kept, though the remote misses it."""
-    import errno
+@contextlib.asynccontextmanager
+async def skipping_victims(server, tmp_path):
+    """Host write-back, disk and remote write-through; 12 blocks (8 on the GPU, with disk
+    copies; 4 in the host), then the host full of pages in flight: yields the store and 4 GPU
+    victims, which must skip the host, and ``let_go()``, which frees the host (called at the
+    end if the test did not)."""
     cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path,
                  remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
     cfg.disk.write, cfg.disk.write_interval = "through", 0.01
@@ -438,23 +402,60 @@ async def test_a_skipping_page_the_full_disk_refuses_swaps_onto_its_copy(server,
         held_victims = a.moves.pick_victims(HOST, 0, core.queue_len(HOST, 0))
         held_slots = core.allocate(HOST, 0, core.free(HOST, 0))
         victims = a.moves.pick_victims(GPU, 0, 4)
+        assert all(core.page_info(core.copy_of(i))["tier"] == DISK for i in victims.tolist())
+        held = [True]
+
+        def let_go() -> None:
+            if held[0]:
+                held[0] = False
+                a.moves.unclaim(held_victims, None)
+                core.give_back(HOST, 0, held_slots)
+            a.check_consistency()
+        yield a, victims, let_go
+        let_go()
+
+
+async def check_prompt_1(store: Store, tier: str) -> None:
+    """Prompt 1's 4 blocks are matched in ``tier`` and read back exact."""
+    seq = await store.open_sequence(tokens=prompt(1, blocks=4))
+    try:
+        assert seq.matched_by_tier[tier] == 4
+        await seq.acquire()
+        for blk in range(4):
+            assert (read_block(store, seq, 0, blk) == expected_block(store, seq, 0, blk)).all(), blk
+    finally:
+        await seq.close()
+
+
+async def test_a_page_skipping_a_full_host_onto_its_disk_copy_is_written_through(server, tmp_path):
+    """Host write-back, disk write-through: a GPU page's disk copy is not teed (the page's
+    demotion to the host is). When the host is full of pages in flight, a demotion skips to
+    the disk; swapping onto the copy would move no bytes and the remote would never see the
+    page, so it moves (the landing frees the copy) and is written through on the way."""
+    async with skipping_victims(server, tmp_path) as (a, victims, let_go):
         ids = victims.tolist()
-        assert all(core.page_info(core.copy_of(i))["tier"] == DISK for i in ids)
-        on_disk = len(core.tier_pages(DISK, 0))
-        a.disk.inject_fault("write", errno.ENOSPC, count=1)
-        core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
+        before = a.stats()["remote"]["written_pages"]
+        a.core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
         await a.drain()
-        assert [core.page_info(i)["tier"] for i in ids] == [DISK] * 4
-        assert len(core.tier_pages(DISK, 0)) == on_disk
+        assert [a.core.page_info(i)["tier"] for i in ids] == [DISK] * 4
+        assert a.stats()["remote"]["written_pages"] == before + 4
+    async with Store.open(remote_cfg(server.url)) as b:
+        await check_prompt_1(b, "remote")
+
+
+async def test_a_skipping_page_the_full_disk_refuses_swaps_onto_its_copy(server, tmp_path):
+    """Review find: the skipping page moves rather than swap onto its disk copy (above); when
+    the full disk refused that move, the page was dropped with the copy that held it (or, held,
+    the request failed). It now swaps onto the copy after all: kept, though the remote misses it."""
+    import errno
+    async with skipping_victims(server, tmp_path) as (a, victims, let_go):
+        ids = victims.tolist()
+        on_disk = len(a.core.tier_pages(DISK, 0))
+        a.disk.inject_fault("write", errno.ENOSPC, count=1)
+        a.core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
+        await a.drain()
+        assert [a.core.page_info(i)["tier"] for i in ids] == [DISK] * 4
+        assert len(a.core.tier_pages(DISK, 0)) == on_disk
         assert a.stats()["disk_full"] == {"refused_spills": 1, "dropped_pages": 0}     # swapped, none dropped
-        a.moves.unclaim(held_victims, None)
-        core.give_back(HOST, 0, held_slots)
-        a.check_consistency()
-        seq = await a.open_sequence(tokens=prompt(1, blocks=4))
-        try:
-            assert seq.matched_by_tier["disk"] == 4
-            await seq.acquire()
-            for blk in range(4):
-                assert (read_block(a, seq, 0, blk) == expected_block(a, seq, 0, blk)).all(), blk
-        finally:
-            await seq.close()
+        let_go()
+        await check_prompt_1(a, "disk")
