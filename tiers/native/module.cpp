@@ -48,15 +48,21 @@ thread_local size_t t_keep_gil_below = size_t(64) << 10;
 // Sorting more elements than this gives up the GIL (a few hundred microseconds of work).
 constexpr size_t kReleaseElements = size_t(1) << 14;
 
-// Releases the GIL for its lifetime when `release` is true.
+// Releases the GIL for its lifetime when `release` is true, as nb::gil_scoped_release does.
+// A plain thread-state pointer, not std::optional<gil_scoped_release>: GCC at -O2 (a
+// RelWithDebInfo build) wrongly reports the optional's member maybe-uninitialized, an error
+// under -Werror. Invariant: state_ is null exactly when the GIL was not released.
 class MaybeNoGil {
  public:
-  explicit MaybeNoGil(bool release) {
-    if (release) release_.emplace();
+  explicit MaybeNoGil(bool release) : state_(release ? PyEval_SaveThread() : nullptr) {}
+  ~MaybeNoGil() {
+    if (state_) PyEval_RestoreThread(state_);
   }
+  MaybeNoGil(const MaybeNoGil&) = delete;
+  MaybeNoGil& operator=(const MaybeNoGil&) = delete;
 
  private:
-  std::optional<nb::gil_scoped_release> release_;
+  PyThreadState* state_;
 };
 
 // Results are numpy arrays made first (numpy owns their memory), then filled through data_of.
