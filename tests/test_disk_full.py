@@ -1,15 +1,20 @@
 """A full filesystem degrades the disk tier; it never fails requests (issue 12.8)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import logging
 import os
 
 import torch
 
-from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, Store, StoreConfig
+from runtime import DiskConfig, GpuConfig, HostConfig, LayerSpec, ReusePolicy, Store, StoreConfig
+from runtime.pages import DISK, GPU, HOST
+from tiers.codecs import get_codec
 from tiers.errors import DiskFullError
 
-from helpers import DEVICE, expected_block, fill, read_block, toks
+from helpers import DEVICE, config, expected_block, fill, read_block, toks
 
 PAGE = (("k", 2048), ("v", 2048))        # 4 KiB pages: one page per 4 KiB of segment
 
@@ -56,8 +61,7 @@ async def test_a_full_disk_with_two_life_cycles_in_one_group(tmp_path):
     """Review find: the refused spill ended the victims' claims, then the drop of one life cycle's
     page (prefix-critical: a subtree drop) freed its sibling's slot, which was handed out again: a
     slot owned and free, and a crash in the core."""
-    import errno
-    from helpers import config, two_life_cycles
+    from helpers import two_life_cycles
     cfg = config(gpu=8, host=8, disk=256, disk_dir=tmp_path, layers=two_life_cycles(), persist_on_close=False)
     async with Store.open(cfg) as store:
         store.disk.inject_fault("write", errno.ENOSPC, count=10**6)
@@ -79,40 +83,52 @@ async def test_a_full_disk_with_two_life_cycles_in_one_group(tmp_path):
         store.check_consistency()
 
 
+@contextlib.asynccontextmanager
+async def two_batch_demotion(tmp_path):
+    """A GPU group whose life cycles have different codecs, so two cold groups: 8 blocks filled,
+    the host then full of pages in flight, and the disk's next write refused (ENOSPC). Yields the
+    store, 4 claimed GPU victims, whose demotion skips to the disk in two batches, and
+    ``let_go()``, which frees the host and checks consistency (called at the end if not before)."""
+    kv = (("k", 256), ("v", 256))
+    layers = [LayerSpec(0, kv), LayerSpec(1, kv, window_tokens=8, sink_tokens=4, codec="int8",
+                                          reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
+    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path, layers=layers, persist_on_close=False)
+    async with Store.open(cfg) as store:
+        core, moves = store.core, store.moves
+        for base in range(4):
+            await fill(store, toks(base, 2))
+            await store.drain()
+        held = [moves.pick_victims(HOST, g, core.queue_len(HOST, g)) for g in range(2)]
+        held_slots = [core.allocate(HOST, g, core.free(HOST, g)) for g in range(2)]
+        victims = moves.pick_victims(GPU, 0, 4)
+        store.disk.inject_fault("write", errno.ENOSPC, count=1)     # the first batch's write
+        holding = [True]
+
+        def let_go() -> None:
+            if holding[0]:
+                holding[0] = False
+                for g in range(2):
+                    moves.unclaim(held[g], None)
+                    core.give_back(HOST, g, held_slots[g])
+            store.check_consistency()
+        yield store, victims, let_go
+        let_go()
+
+
 async def test_a_full_disk_refusing_one_of_a_demotions_batches(tmp_path):
     """Review find: a GPU group whose life cycles have different codecs spans two cold groups, so
     a GPU -> disk demotion runs two batches. When the disk refused one and took the other, the
     refusal re-claimed and dropped every victim, the landed ones too, whose GPU slots had gone
     back to the pool already: a slot released twice. Now the landed batch stays on the disk and
     every victim's GPU slot goes to the caller once."""
-    import errno
-    from runtime import ReusePolicy
-    from runtime.pages import DISK, GPU, HOST
-    from helpers import config
-    from tiers.codecs import get_codec
-    kv = (("k", 256), ("v", 256))
-    layers = [LayerSpec(0, kv), LayerSpec(1, kv, window_tokens=8, sink_tokens=4, codec="int8",
-                                          reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
-    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path, layers=layers, persist_on_close=False)
-    async with Store.open(cfg) as store:
+    async with two_batch_demotion(tmp_path) as (store, victims, let_go):
         core = store.core
         assert (core.n_groups(GPU), core.n_groups(DISK)) == (1, 2)
-        for base in range(4):
-            await fill(store, toks(base, 2))
-            await store.drain()
-        # the host full of pages in flight: the demotion skips to the disk
-        held = [store.moves.pick_victims(HOST, g, core.queue_len(HOST, g)) for g in range(2)]
-        held_slots = [core.allocate(HOST, g, core.free(HOST, g)) for g in range(2)]
-        victims = store.moves.pick_victims(GPU, 0, 4)
-        store.disk.inject_fault("write", errno.ENOSPC, count=1)     # the first batch's write
         freed = await store.moves.evict(GPU, victims)
         assert sorted(freed) == sorted(set(freed)) and len(freed) >= 4
         core.give_back(GPU, 0, freed)
         assert store.stats()["disk_full"]["refused_spills"] == 1
-        for g in range(2):
-            store.moves.unclaim(held[g], None)
-            core.give_back(HOST, g, held_slots[g])
-        store.check_consistency()
+        let_go()
         int8, lc1 = get_codec("int8"), store.layout.life_cycles[1]
         for base in range(4):       # whatever is still matched reads back exact (life cycle 1: as int8 decodes it)
             seq = await store.open_sequence(tokens=toks(base, 2))
@@ -134,24 +150,8 @@ async def test_refused_victims_stay_claimed_while_the_other_batch_runs(tmp_path)
     pages were already unclaimed, so another eviction could claim (or a request lock) them
     before they were claimed again and dropped: a claim error, leaked slots, host slots handed
     out as GPU slots. A refused batch now keeps its claims until the demotion settles it."""
-    import asyncio
-    import errno
-    from runtime import ReusePolicy
-    from runtime.pages import DISK, GPU, HOST
-    from helpers import config
-    kv = (("k", 256), ("v", 256))
-    layers = [LayerSpec(0, kv), LayerSpec(1, kv, window_tokens=8, sink_tokens=4, codec="int8",
-                                          reuse=ReusePolicy.SINK_REQUIRED_ONLY)]
-    cfg = config(gpu=8, host=8, disk=64, disk_dir=tmp_path, layers=layers, persist_on_close=False)
-    async with Store.open(cfg) as store:
+    async with two_batch_demotion(tmp_path) as (store, victims, _let_go):
         core, moves = store.core, store.moves
-        for base in range(4):
-            await fill(store, toks(base, 2))
-            await store.drain()
-        held = [moves.pick_victims(HOST, g, core.queue_len(HOST, g)) for g in range(2)]
-        held_slots = [core.allocate(HOST, g, core.free(HOST, g)) for g in range(2)]
-        victims = moves.pick_victims(GPU, 0, 4)
-        store.disk.inject_fault("write", errno.ENOSPC, count=1)
         real, calls, refused = moves._move_batch, [0], []
 
         async def second_is_slow(batch, *args):
@@ -176,7 +176,3 @@ async def test_refused_victims_stay_claimed_while_the_other_batch_runs(tmp_path)
         core.give_back(GPU, 0, freed)
         if other is not None:
             moves.unclaim(other, None)
-        for g in range(2):
-            moves.unclaim(held[g], None)
-            core.give_back(HOST, g, held_slots[g])
-        store.check_consistency()
