@@ -604,7 +604,12 @@ class Moves:
         if not remote.reserve(nbytes):
             remote.skipped_pages += n
             return None
-        tee = _Tee(remote, nbytes, n, self.records(batch))     # now: the claim keeps these pages as they are
+        try:
+            records = self.records(batch)           # now: the claim keeps these pages as they are
+        except BaseException:
+            remote.release(nbytes)
+            raise
+        tee = _Tee(remote, nbytes, n, records)
         job.tee = tee.write
         return tee
 
@@ -613,20 +618,23 @@ class Moves:
         """One batch; on failure its destination slots go back and its claims end, but with
         ``hold_full`` a batch the full disk refused keeps them (``_move_batches``)."""
         core = self.core
-        src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
-        fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
-        self.sync()
-        job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)), lambda: self.records(batch))
-        # a spill of pages the store may lose is written behind (migration._spill_behind); not with
-        # a remote tier, whose write-back reads disk victims before their drop
-        job.behind = src_tier == HOST and dst_tier == DISK and self.remote is None and core.droppable(batch)
-        tee = self.tee_to_remote(job, batch, g)
-        try:
+        tee = src_tier = None
+        try:        # the setup too: whatever raises, the batch's slots go back and its claims end
+            src_tier, src_group, src_slots, lcs, ready = core.batch_view(batch)
+            fences = self.events.all(core.slot_fences(dst_tier, g, dst_slots))
+            self.sync()
+            job = Batch(src_tier, src_group, src_slots, lcs, set(self.events.all(ready)),
+                        lambda: self.records(batch))
+            # a spill of pages the store may lose is written behind (migration._spill_behind); not
+            # with a remote tier, whose write-back reads disk victims before their drop
+            job.behind = src_tier == HOST and dst_tier == DISK and self.remote is None and core.droppable(batch)
+            tee = self.tee_to_remote(job, batch, g)
             ev = await self.engine.run(job, dst_tier, g, dst_slots, fences)
         except BaseException as exc:
             if tee is not None:
                 tee.release()
-            self.engine.stats.failures[f"{TIER_NAMES[src_tier]}->{TIER_NAMES[dst_tier]}"] += 1
+            src_name = "?" if src_tier is None else TIER_NAMES[src_tier]
+            self.engine.stats.failures[f"{src_name}->{TIER_NAMES[dst_tier]}"] += 1
             core.give_back(dst_tier, g, dst_slots)
             if not (hold_full and isinstance(exc, DiskFullError)):
                 self.unclaim(batch, exc)

@@ -11,7 +11,8 @@ import torch
 from runtime import LayerSpec, ReusePolicy, Store, StoreClosedError, TierIOError, UsageError
 from runtime.pages import DISK, GPU, HOST
 
-from helpers import config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles, write_blocks
+from helpers import (check_seq, config, expected_block, fill, prefill_keys, read_block, toks, two_life_cycles,
+                     write_blocks)
 
 
 async def test_held_pages_in_the_last_tier_are_never_dropped(tmp_path):
@@ -50,6 +51,28 @@ async def test_partly_failed_demotion_returns_slots_to_the_right_allocator(faili
             await fill(store, toks(2, 4))
         await store.drain()
         store.check_consistency()
+
+
+async def test_a_move_whose_setup_raises_settles_its_claims_and_slots(monkeypatch):
+    """A batch failing before its copy starts (here the remote tee's setup) gives its slots back
+    and ends its claims, as one failing in the copy does: before, its claims stayed and its
+    pages could never move, be dropped or close cleanly."""
+    async with Store.open(config(gpu=8, host=16)) as store:
+        await fill(store, toks(1, 8))                           # the GPU full of committed pages
+        free_host = store.core.free(HOST, 0)
+
+        def broken(job, batch, group):
+            raise RuntimeError("injected in a batch's setup")
+        monkeypatch.setattr(store.moves, "tee_to_remote", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            await fill(store, toks(2, 8))                       # must demote toks(1) to the host
+        await store.drain()
+        store.check_consistency()
+        assert store.core.free(HOST, 0) == free_host      # the destination slots went back
+        monkeypatch.undo()
+        assert await check_seq(store, 1, 8) == 8                # the pages stayed, unclaimed, intact
+        await fill(store, toks(2, 8))                           # and they can move now
+        assert (await check_seq(store, 1, 8)) == 8
 
 
 async def test_release_unlocks_only_what_this_sequence_locked():

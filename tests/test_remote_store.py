@@ -459,3 +459,27 @@ async def test_a_skipping_page_the_full_disk_refuses_swaps_onto_its_copy(server,
         assert a.stats()["disk_full"] == {"refused_spills": 1, "dropped_pages": 0}     # swapped, none dropped
         let_go()
         await check_prompt_1(a, "disk")
+
+
+async def test_a_tee_whose_records_fail_gives_its_reservation_back(server, monkeypatch):
+    """A demotion's tee reserves write-through bytes, then reads its pages' records: if that
+    raised, the reservation stayed, and write-through skipped every batch once enough had
+    leaked. The move fails as a whole, its pages stay on the GPU, and the next one tees."""
+    async with Store.open(remote_cfg(server.url)) as a:
+        for i in range(2):
+            await fill(a, prompt(i, blocks=4))              # the GPU's 8 blocks, full
+        remote = a.moves.remote
+
+        def broken(batch):
+            raise RuntimeError("injected in the tee's records")
+        monkeypatch.setattr(a.moves, "records", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            await fill(a, prompt(2, blocks=4))
+        monkeypatch.undo()
+        assert remote.inflight == 0
+        a.check_consistency()
+        before = a.stats()["remote"]["written_pages"]
+        await fill(a, prompt(2, blocks=4))
+        await a.drain()
+        assert a.stats()["remote"]["written_pages"] == before + 4
+        assert await check_hits(a, 3) == 0                  # all local, and all exact
