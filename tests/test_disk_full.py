@@ -26,10 +26,34 @@ def _cfg(path, min_free: int) -> StoreConfig:
                        persist_on_close=False)
 
 
-async def test_spills_past_a_full_disk_drop_instead_of_failing(tmp_path, caplog):
-    st = os.statvfs(tmp_path)
+def _own_writes_only(monkeypatch, path) -> int:
+    """Make ``os.statvfs`` of ``path``'s filesystem report its free space as it was now, less what
+    the files under ``path`` grew by since: other processes writing to the same filesystem (a
+    parallel build, CI's own logs) no longer move the point where the tier finds it full.
+    Returns the free bytes now."""
+    real = os.statvfs
+    st0 = real(path)
+    free0 = st0.f_bavail * st0.f_frsize
+
+    def used() -> int:
+        return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
+    base = used()
+
+    class Stat:
+        def __init__(self, st) -> None:
+            self.f_frsize, self.f_blocks = st.f_frsize, st.f_blocks
+            self.f_bavail = max(0, free0 - (used() - base)) // st.f_frsize
+
+    def statvfs(p):
+        st = real(p)
+        return Stat(st) if os.path.commonpath([os.path.abspath(p), str(path)]) == str(path) else st
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    return free0
+
+
+async def test_spills_past_a_full_disk_drop_instead_of_failing(tmp_path, caplog, monkeypatch):
     room = 24 * 4096                      # the filesystem "fills" after about 24 pages of segment
-    cfg = _cfg(tmp_path, st.f_bavail * st.f_frsize - room)
+    cfg = _cfg(tmp_path, _own_writes_only(monkeypatch, tmp_path) - room)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         async with Store.open(cfg) as store:
             for base in range(40):                       # 160 blocks through 8 + 8 + (24 that fit) pages
