@@ -65,13 +65,12 @@ class Sequence:
 
     @property
     def matched_by_tier(self) -> dict[str, int]:
-        """Matched blocks by the tier their coldest page was in at open; with a
-        remote tier, "remote" counts the blocks imported from it (they are on
-        the host now, and not counted there)."""
+        """Matched blocks by the tier their coldest page was in at open: "gpu", "host", "disk"
+        and "remote" (always all four keys; "remote" is 0 without a remote tier). "remote"
+        counts the blocks imported from the remote tier (they are on the host now, and not
+        counted there)."""
         gpu, host, disk = self._by_tier[0], self._by_tier[1], self._by_tier[2]
-        remote = self._remote
-        if remote is None:
-            return {"gpu": gpu, "host": host, "disk": disk}
+        remote = self._remote or 0
         return {"gpu": gpu, "host": host - min(remote, host), "disk": disk, "remote": remote}
 
     @property

@@ -503,6 +503,8 @@ class Store:
                 if name in out["tiers"]:
                     out["tiers"][name]["hits"] = out["hits"][name]
             out["hits"]["remote"] = self.remote.imported_blocks
+        else:
+            out["hits"]["remote"] = 0       # the same keys with or without a remote tier
         return out
 
     # -- KV events (runtime/events.py) ------------------------------------------------------

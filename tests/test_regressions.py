@@ -75,6 +75,37 @@ async def test_a_move_whose_setup_raises_settles_its_claims_and_slots(monkeypatc
         assert (await check_seq(store, 1, 8)) == 8
 
 
+async def test_a_page_found_bad_is_counted_once_in_discarded_pages(tmp_path):
+    """Audit find: a disk page failing its checksum at read counted twice in
+    ``stats()["discarded_pages"]`` (and the metric), by the disk tier and by the core."""
+    async with Store.open(config(gpu=8, disk=16, disk_dir=tmp_path)) as store:
+        await fill(store, toks(1, 3))                           # persisted at close
+    seg = tmp_path / "group-0.seg"
+    data = bytearray(seg.read_bytes())
+    data[:] = bytes(len(data))                                  # every page zeroed
+    seg.write_bytes(bytes(data))
+    async with Store.open(config(gpu=8, disk=16, disk_dir=tmp_path)) as store:
+        assert store.stats()["discarded_pages"] == 0            # checked when read, not at open
+        seq = await store.open_sequence(tokens=toks(1, 3))
+        assert seq.matched_by_tier["disk"] == 3
+        await seq.acquire()
+        assert seq.recompute_blocks(0) == [0, 1, 2]
+        await seq.close()
+        st = store.stats()
+        assert st["corrupt_pages"] == 3 and st["discarded_pages"] == 3
+
+
+async def test_matched_by_tier_and_hits_name_all_four_tiers_without_a_remote():
+    """Audit find: DESIGN.md's ``matched_by_tier`` names "remote" too; without a remote tier the
+    key was missing (a server reading it got a KeyError), as it was from ``stats()["hits"]``."""
+    async with Store.open(config(gpu=8, host=8)) as store:
+        await fill(store, toks(1, 2))
+        seq = await store.open_sequence(tokens=toks(1, 2))
+        assert seq.matched_by_tier == {"gpu": 2, "host": 0, "disk": 0, "remote": 0}
+        await seq.close()
+        assert store.stats()["hits"] == {"gpu": 2, "host": 0, "disk": 0, "remote": 0}
+
+
 async def test_release_unlocks_only_what_this_sequence_locked():
     async with Store.open(config(gpu=24, host=32, layers=two_life_cycles())) as store:
         await fill(store, toks(1, 6))

@@ -1437,8 +1437,7 @@ Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
 }
 
 int32_t Core::discard_page(int32_t id) {
-  Page& p = pt_[id];
-  ++counters_.discarded;
+  Page& p = pt_[id];   // not counted in counters_.discarded: the disk tier counts the pages it found bad
   int32_t depth = p.block >= 0 ? index_.blocks[p.block].depth : -1;
   if (p.published) drop(id); else free_page(id);
   return depth;

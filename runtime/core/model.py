@@ -1895,8 +1895,7 @@ class ModelCore:
 
     def _discard_page(self, pid: int) -> int:
         """Drop (a published page) or free a disk page that will never be served; its depth."""
-        p = self.pt[pid]
-        self.counters_.discarded += 1
+        p = self.pt[pid]            # not counted in discarded: the disk tier counts the pages it found bad
         depth = self.blocks[p.block].depth if p.block >= 0 else -1
         if p.published:
             self._drop(pid)
