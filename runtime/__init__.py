@@ -4,7 +4,7 @@ from __future__ import annotations
 from tiers.config import DiskConfig, EventsConfig, GpuConfig, HostConfig, StoreConfig
 from tiers.remote import RemoteSettings
 from tiers.errors import (ConfigError, CorruptPageError, DiskFullError, KvtierError, OutOfPagesError,
-                          StoreClosedError, TierIOError, UsageError)
+                          RequestTooLargeError, StoreClosedError, TierIOError, UsageError)
 from tiers.layers import LayerSpec
 from tiers.policy import ReusePolicy
 
@@ -16,5 +16,5 @@ from .store import Store
 __all__ = [
     "Store", "Sequence", "StoreConfig", "GpuConfig", "HostConfig", "DiskConfig", "EventsConfig", "RemoteSettings", "LayerSpec", "ReusePolicy",
     "load_config", "run", "ConfigError", "CorruptPageError", "DiskFullError", "KvtierError", "OutOfPagesError",
-    "StoreClosedError", "TierIOError", "UsageError",
+    "RequestTooLargeError", "StoreClosedError", "TierIOError", "UsageError",
 ]

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence as Seq
 import numpy as np
 import torch
 
-from tiers.errors import CorruptPageError, KvtierError, OutOfPagesError, StoreClosedError, UsageError
+from tiers.errors import (CorruptPageError, KvtierError, OutOfPagesError, RequestTooLargeError, StoreClosedError,
+                          UsageError)
 from tiers.streams import CudaEvent
 
 from .core import COMMIT_PAST_BLOCKS, CoreError, Pages
@@ -361,6 +362,8 @@ class Sequence:
                         slots = await moves.obtain_many(GPU, core.group_counts(cold, GPU))
                     except BaseException as exc:
                         moves.unclaim(cold, exc)
+                        if isinstance(exc, OutOfPagesError) and (big := _too_large(store, pages)):
+                            raise big from None     # never fits: not the back-pressure a retry waits out
                         raise
                     await moves.move(cold, GPU, slots, handoff=False)
             except CorruptPageError:
@@ -458,13 +461,24 @@ class Sequence:
 
 
 def _extend_counts(store: "Store", n: int) -> dict[int, int]:
-    """Pages per GPU group that ``n`` more blocks take (a UsageError where a group is too small)."""
+    """Pages per GPU group that ``n`` more blocks take (RequestTooLargeError where a group is
+    too small)."""
     counts = {g: n * k for g, k in store.lcs_per_gpu_group.items()}
     for g, c in counts.items():
         cap = store.core.capacity(GPU, g)
         if c > cap:
-            raise UsageError(f"extending by {n} blocks needs {c} pages of GPU pool group {g}, which holds {cap}")
+            raise RequestTooLargeError(f"extending by {n} blocks needs {c} pages of GPU pool group {g}, "
+                                       f"which holds {cap}")
     return counts
+
+
+def _too_large(store: "Store", pages: Pages) -> RequestTooLargeError | None:
+    """The error for an acquire whose ``pages`` outnumber a GPU pool group's slots, or None."""
+    for g, n in store.core.group_counts(pages, GPU):
+        cap = store.core.capacity(GPU, g)
+        if n > cap:
+            return RequestTooLargeError(f"acquiring needs {n} pages of GPU pool group {g}, which holds {cap}")
+    return None
 
 
 def _check_stream(store: "Store", stream) -> None:

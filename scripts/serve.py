@@ -28,7 +28,8 @@ Endpoints (JSON in, JSON out):
 Block keys in JSON are integers (Mooncake ``hash_ids``) or hex strings
 (bytes keys). Errors: ``{"error": <type name>, "message": ...}`` with
 UsageError/ConfigError/bad input -> 400, unknown sequence -> 404,
-StoreClosedError -> 410, OutOfPagesError -> 503, CorruptPageError,
+StoreClosedError -> 410, OutOfPagesError -> 503 (RequestTooLargeError, more
+pages than the GPU pool group holds at all, -> 413), CorruptPageError,
 DiskFullError, TierIOError and anything unexpected -> 500. A refusal by one
 of the limits below also names it (``"limit": "max_tokens"``...): too many
 tokens or body bytes -> 413, a compressed body -> 415, too many open
@@ -842,6 +843,7 @@ ERROR_STATUS: list[tuple[type, int]] = [
     (BadRequest, 400),
     (UnknownSequence, 404),
     (UnsupportedEncoding, 415),
+    (runtime.RequestTooLargeError, 413),      # never fits this store: not "try later" (an OutOfPagesError too)
     (runtime.OutOfPagesError, 503),
     (runtime.StoreClosedError, 410),
     (runtime.CorruptPageError, 500),

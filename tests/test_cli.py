@@ -72,9 +72,9 @@ def test_replay_names_its_errors_and_refuses_flags_beside_a_config(tmp_path):
                                            "hash_ids": list(range(100 * i, 100 * i + 8))}) for i in range(3)) + "\n")
     r = kvtier("replay", str(trace), "--gpu-blocks", "4", "--host-blocks", "0", "--json", check=False)
     out = json.loads(r.stdout)
-    assert r.returncode == 1 and "3 of 3 requests failed: UsageError" in r.stderr     # the result, then a failure
-    assert out["errors"] == {"UsageError": 3}
-    assert "holds 4" in out["error_examples"]["UsageError"]          # 8 blocks into 4 GPU slots
+    assert r.returncode == 1 and "3 of 3 requests failed: RequestTooLargeError" in r.stderr     # the result, then a failure
+    assert out["errors"] == {"RequestTooLargeError": 3}
+    assert "holds 4" in out["error_examples"]["RequestTooLargeError"]          # 8 blocks into 4 GPU slots
     r = kvtier("replay", str(trace), "--config", "examples/kv.toml", "--gpu-blocks", "64", check=False)
     assert r.returncode == 2 and "--gpu-blocks cannot be combined with --config" in r.stderr
     r = kvtier("replay", str(trace), "--speed", "10", check=False)

@@ -106,6 +106,32 @@ async def test_matched_by_tier_and_hits_name_all_four_tiers_without_a_remote():
         assert store.stats()["hits"] == {"gpu": 2, "host": 0, "disk": 0, "remote": 0}
 
 
+async def test_a_request_larger_than_the_gpu_pool_is_one_error_type_for_acquire_and_extend(tmp_path):
+    """Audit find: DESIGN.md names OutOfPagesError for a request that cannot fit; an extend past
+    the GPU pool's size raised a UsageError, an acquire past it an OutOfPagesError a server would
+    retry for ever. Both now raise RequestTooLargeError, which is both, and change nothing."""
+    from runtime import OutOfPagesError, RequestTooLargeError
+    async with Store.open(config(gpu=16, disk=64, disk_dir=tmp_path)) as store:
+        await fill(store, toks(1, 12))                          # persisted at close
+    async with Store.open(config(gpu=8, disk=64, disk_dir=tmp_path)) as store:
+        seq = await store.open_sequence(tokens=toks(2, 12))
+        with pytest.raises(RequestTooLargeError, match="holds 8") as e:
+            await seq.extend(12)
+        assert isinstance(e.value, OutOfPagesError) and isinstance(e.value, UsageError)
+        assert seq.num_blocks == 0
+        await seq.close()
+        free = store.core.free(GPU, 0)
+        seq = await store.open_sequence(tokens=toks(1, 12))
+        assert seq.matched_by_tier["disk"] == 12
+        with pytest.raises(RequestTooLargeError, match="acquiring needs 12 pages of GPU pool group 0, which holds 8"):
+            await seq.acquire()
+        assert not seq.acquired
+        await seq.close()
+        store.check_consistency()
+        assert store.core.free(GPU, 0) >= free
+        assert await check_seq(store, 1, 8) == 8                # the pages stayed, intact
+
+
 async def test_release_unlocks_only_what_this_sequence_locked():
     async with Store.open(config(gpu=24, host=32, layers=two_life_cycles())) as store:
         await fill(store, toks(1, 6))

@@ -461,9 +461,9 @@ async def test_errors_config_file_and_sigint(tmp_path, servers):
         await err("POST", f"/sequences/{sid}/extend", 400, "BadRequest", body={"num_blocks": -1})
         await err("POST", f"/sequences/{sid}/extend", 400, "BadRequest", body={"num_blocks": "2"})
         await err("POST", f"/sequences/{sid}/extend", 400, "BadRequest", body={})
-        # more than the GPU tier holds can never fit: misuse (400), not "try later" (503, see the flow above)
-        await err("POST", f"/sequences/{sid}/extend", 400, "UsageError", body={"num_blocks": 1000})
-        ext = await client.ok("POST", f"/sequences/{sid}/extend", {"num_blocks": 4})     # state unchanged by the 400
+        # more than the GPU tier holds can never fit: too large (413), not "try later" (503, see the flow above)
+        await err("POST", f"/sequences/{sid}/extend", 413, "RequestTooLargeError", body={"num_blocks": 1000})
+        ext = await client.ok("POST", f"/sequences/{sid}/extend", {"num_blocks": 4})     # state unchanged by the 413
         assert ext["num_blocks"] == 4
         await err("POST", f"/sequences/{sid}/commit", 400, "UsageError", body={"num_blocks": 4})  # block 4 has no key
         await err("POST", f"/sequences/{sid}/append", 400, "UsageError", body={"tokens": [1] * 16})

@@ -27,6 +27,12 @@ class OutOfPagesError(KvtierError):
     """Not enough slots even after evicting everything allowed; nothing changed."""
 
 
+class RequestTooLargeError(OutOfPagesError, UsageError):
+    """A request needs more GPU slots of a pool group than the group has in all: it can never
+    fit this store, so a server must not queue it for a retry. An ``OutOfPagesError`` (DESIGN.md
+    names that one for any request that cannot fit) and a ``UsageError``; nothing changed."""
+
+
 class StoreClosedError(KvtierError):
     """The store (or sequence) is closed."""
 

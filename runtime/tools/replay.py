@@ -16,7 +16,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 import torch
 
 from tiers.codecs import get_codec
-from tiers.errors import KvtierError, OutOfPagesError
+from tiers.errors import KvtierError, OutOfPagesError, RequestTooLargeError
 
 from ..lag import LoopLagMonitor
 from ..store import Store
@@ -205,7 +205,7 @@ async def replay(store: Store, requests: Iterable[TraceRequest] | AsyncIterable[
                 except OutOfPagesError as exc:
                     # the pool is locked by requests in flight: wait for one to finish, as a server queues;
                     # not when every other request in flight waits too (nobody would finish to wake them)
-                    if in_flight - waiting <= 1 or attempt == 7:
+                    if in_flight - waiting <= 1 or attempt == 7 or isinstance(exc, RequestTooLargeError):
                         count_error(exc)
                         break
                     waiting += 1
