@@ -346,4 +346,4 @@ async def test_closing_while_a_request_holds_a_prefix_persists_no_unreachable_pa
     async with Store.open(_cfg(tmp_path, gpu=32, host=None)) as store:
         st = store.stats()
         assert (st["recovered_pages"], st["orphaned_pages"]) == (8, 0)
-        assert await _check_prefix(store, 0, 4) == (4, {"gpu": 0, "host": 0, "disk": 4}, True)
+        assert await _check_prefix(store, 0, 4) == (4, {"gpu": 0, "host": 0, "disk": 4, "remote": 0}, True)
