@@ -44,6 +44,7 @@ from .migration import MigrationEngine
 from .pages import DISK, GPU, HOST, TIER_NAMES
 from .reclaim import DISK_SHARE, MAX_BATCH, REFILL_BYTES, STEP_SHARE, Reclaimer
 from .recovery import index_recovered, persist
+from .scrub import Scrubber
 from .remote import RemoteLink
 from .sequence import Sequence
 from .views import IndexView
@@ -105,6 +106,7 @@ class Store:
         self.device: Device | None = None
         self.cuda = False                   # the GPU tier is a CUDA device (else emulated in host memory)
         self.disk = None
+        self.scrubber: Scrubber | None = None   # the disk tier's scrubs (runtime/scrub.py)
         self.engine: MigrationEngine | None = None
         self.nodes = IndexView(self)
         self.moves = Moves(self)            # claims, slots, evictions and moves, and the store's tasks
@@ -178,6 +180,8 @@ class Store:
         if self.kv_events is not None:
             self.kv_events.run()
         self.started = True
+        if self.scrubber is not None and self.cfg.disk.scrub == "on_open":
+            self.scrubber.start()
 
     def _start_reclaimers(self) -> None:
         """Background demotion (runtime/reclaim.py) for every group with a reserve.
@@ -243,6 +247,7 @@ class Store:
             self.disk = DiskTier.open(d.path, self.layout.fingerprint(self.tpb, cfg.hash_salt),
                                       list(zip(cold_bytes, n["disk"])), on_mismatch=d.on_mismatch,
                                       o_direct=d.o_direct, min_free=d.min_free, fsync=d.fsync)
+            self.scrubber = Scrubber(self, d.scrub_rate)
         self.slabs = [gpu, host]
         capacity = [[p.slots for p in gpu], [p.slots for p in host],
                     list(n["disk"]) if cfg.disk is not None else []]
@@ -281,6 +286,8 @@ class Store:
     async def _close(self) -> None:
         if self._starting is not None and not self._starting.done():
             await asyncio.wait([self._starting])        # a start in flight finishes (or fails) first
+        if self.scrubber is not None:
+            await self.scrubber.stop()                  # its piece's read ends, its claim with it
         for r in getattr(self, "reclaimers", {}).values():
             await r.stop()
         for wt in self.write_throughs.values():
@@ -493,6 +500,7 @@ class Store:
         }
         if self.disk is not None:
             out["disk"] = dict(self.disk.stats)
+            out["scrub"] = self.scrubber.stats()
         if self.kv_events is not None:
             out["events"] = self.kv_events.stats()
         if self.remote is not None:
@@ -527,6 +535,16 @@ class Store:
         if self.kv_events is None:
             raise UsageError("KV events are off: add [events] to the config (StoreConfig(events=EventsConfig()))")
         return self.kv_events
+
+    async def scrub(self) -> dict:
+        """Check every disk page's checksum now, in the background of requests (at most
+        ``tiers.disk.scrub_rate`` bytes a second), and drop the bad ones from the index, as a read
+        that found them would (runtime/scrub.py). Joins a pass already running. Returns the pass's
+        ``checked_pages``, ``discarded_pages``, ``seconds`` and ``error`` (None, or what stopped it)."""
+        self.check_open()
+        if self.scrubber is None:
+            raise UsageError("scrub: this store has no disk tier")
+        return await asyncio.shield(self.scrubber.start())
 
     async def drain(self) -> None:
         """Wait until no move, eviction or background demotion is in flight,

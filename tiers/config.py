@@ -133,6 +133,8 @@ class DiskConfig(ColdTierConfig):
     o_direct: str = "auto"          # "auto" (probe), "on", "off"
     min_free: int | str | None = None   # keep this much free on the filesystem
     fsync: bool = True              # durability barriers; off only for throwaway experiments
+    scrub: str = "off"              # "on_open": check every page's checksum in the background after open
+    scrub_rate: int | str = "64MB"  # bytes a scrub reads per second, at most (per second of its run)
 
 
 @dataclasses.dataclass(slots=True)
@@ -240,6 +242,9 @@ class StoreConfig:
             if self.disk.o_direct not in ("auto", "on", "off"):
                 raise ConfigError("tiers.disk.o_direct", f"expected auto, on or off, got {self.disk.o_direct!r}")
             self.disk.resolve_write("tiers.disk")
+            if self.disk.scrub not in ("off", "on_open"):
+                raise ConfigError("tiers.disk.scrub", f"expected 'off' or 'on_open', got {self.disk.scrub!r}")
+            self.disk.scrub_rate = parse_size(self.disk.scrub_rate, "tiers.disk.scrub_rate")
             if self.disk.min_free is not None:
                 self.disk.min_free = parse_size(self.disk.min_free, "tiers.disk.min_free")
                 st = os.statvfs(self.disk.path)

@@ -261,7 +261,7 @@ class DiskTier:
         self._bounces: list[tuple[mmap.mmap, np.ndarray]] = []
         self._stats = dict(bytes_written=0, bytes_read=0, pages_written=0, pages_read=0, discarded=0,
                            checksum_seconds=0.0, io_seconds=0.0, fsync_seconds=0.0, checkpoints=0,
-                           commits=0, commit_failures=0, cached_reads=0, unlocked_reads=0)
+                           commits=0, commit_failures=0, cached_reads=0, unlocked_reads=0, verified_pages=0)
         self._committer = _Committer()
         self._nowait = True                # preadv2(RWF_NOWAIT) works here (read_cached)
 
@@ -1371,7 +1371,9 @@ class DiskTier:
             raise _corrupt(g, short + bad, "bad")
 
     def verify_all(self, batch: int = 64) -> list[tuple[int, int, str]]:
-        """Read and checksum every live page; discard the bad ones. Returns what it discarded."""
+        """Read and checksum every live page; discard the bad ones. Returns what it discarded.
+        Holds each group's lock throughout: for a tier nothing else uses (a store scrubs with
+        ``verify``, a piece at a time)."""
         found: list[tuple[int, int, str]] = []
         for g in self.groups:
             scratch = np.empty((batch, g.slot_bytes), dtype=np.uint8)
@@ -1380,15 +1382,36 @@ class DiskTier:
                 self._usable(g)
                 live = np.flatnonzero(g.live)
                 for i in range(0, len(live), batch):      # (flatnonzero's slots are ascending)
-                    part = live[i:i + batch]
-                    short, bad, tio, tck = self._read_locked(g, part, np.arange(len(part)), scratch[:len(part)])
-                    self._add_stats(bytes_read=len(part) * g.slot_bytes, io_seconds=tio, checksum_seconds=tck)
-                    if short:
-                        self._discard(g, short, "short read (segment ends before the page)")
-                        found += [(g.index, s, "short read") for s in short]
-                    if bad:
-                        self._discard(g, bad, "checksum mismatch")
-                        found += [(g.index, s, "checksum mismatch") for s in bad]
+                    found += self._verify_locked(g, live[i:i + batch], scratch)
+        return found
+
+    def verify(self, group: int, slots: Iterable[int]) -> list[tuple[int, int, str]]:
+        """Read and checksum the pages of ``slots`` (ascending), discarding the bad ones as a read
+        that found them would; returns those (group, slot, reason). For a store's scrub
+        (``runtime.scrub``), whose claims keep the pages still: a slot that holds no page (its
+        write failed: ``forget``) is a ``CorruptPageError`` naming it, as for ``read``."""
+        g = self._group(group)
+        sl, _ = self._check_slots(g, slots)
+        if not len(sl):
+            return []
+        scratch = np.empty((len(sl), g.slot_bytes), dtype=np.uint8)
+        with g.lock:
+            self._check_live_locked(g, sl)
+            return self._verify_locked(g, np.sort(sl), scratch)
+
+    def _verify_locked(self, g: DiskGroup, part: np.ndarray, scratch: np.ndarray) -> list[tuple[int, int, str]]:
+        """Under g.lock: ``verify`` of ascending live slots ``part`` (scratch: rows to read into),
+        counted in ``verified_pages``."""
+        short, bad, tio, tck = self._read_locked(g, part, np.arange(len(part)), scratch[:len(part)])
+        self._add_stats(bytes_read=len(part) * g.slot_bytes, io_seconds=tio, checksum_seconds=tck,
+                        verified_pages=len(part))
+        found = []
+        if short:
+            self._discard(g, short, "short read (segment ends before the page)")
+            found += [(g.index, s, "short read") for s in short]
+        if bad:
+            self._discard(g, bad, "checksum mismatch")
+            found += [(g.index, s, "checksum mismatch") for s in bad]
         return found
 
     def relabel(self, group: int, slots: Iterable[int], records: Any, durable: bool = True) -> None:

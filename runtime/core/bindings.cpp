@@ -263,6 +263,12 @@ NB_MODULE(_core, m) {
       .def("locked_slots", [](const Core& c, int32_t s, int lc) { return c.locked_slots(s, lc); })
       .def("tier_pages", [](const Core& c, int tier, int g) { check_tier_group(c, tier, g); return Pages{c.tier_pages(tier, g)}; })
       .def("drop_page", &Core::drop_page)
+      .def("claim_resident", [](Core& c, int tier, int g, int32_t lo, int32_t hi) {
+             check_tier_group(c, tier, g);
+             int32_t claim = 0;
+             Pages got{c.claim_resident(tier, g, lo, hi, claim)};
+             return nb::make_tuple(claim, std::move(got));
+           })
       .def("recompute_blocks", [](const Core& c, int32_t s, int lc) { return c.recompute_blocks(s, lc); })
       // -- slots
       .def("allocate", [](Core& c, int tier, int g, int32_t n) -> nb::object {

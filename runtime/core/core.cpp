@@ -1702,6 +1702,24 @@ Ids Core::tier_pages(int tier, int group) const {
   return out;
 }
 
+Ids Core::claim_resident(int tier, int group, int32_t lo, int32_t hi, int32_t& claim_out) {
+  Ids out;
+  claim_out = 0;
+  const Ids& own = owners_[tier][group];
+  hi = std::min(hi, int32_t(own.size()));
+  for (int32_t s = std::max(lo, 0); s < hi; ++s) {
+    int32_t id = own[size_t(s)];
+    if (id < 0) continue;
+    Page& p = pt_[id];
+    assert(p.tier == tier && p.group == group && p.slot == s);
+    if (p.dead || p.claim || p.copy) continue;
+    if (!claim_out) claim_out = next_claim();
+    p.claim = claim_out;
+    out.push_back(id);
+  }
+  return out;
+}
+
 void Core::drop_page(int32_t id) {
   require(id >= 0 && size_t(id) < pt_.pages.size() && pt_[id].in_use() && !pt_[id].dead && pt_[id].published &&
               !pt_[id].claim,

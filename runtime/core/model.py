@@ -2169,6 +2169,26 @@ class ModelCore:
         self._check_tier_group(tier, group)
         return Pages(pid for pid in self.owners[tier][group] if pid >= 0)
 
+    def claim_resident(self, tier: int, group: int, lo: int, hi: int) -> tuple[int, Pages]:
+        """For a scrub: claims, one claim for all, the pages owning slots [lo, hi) of (tier,
+        group) that are live, unclaimed and not clean copies, by slot: (the claim id, 0 when
+        none; the pages)."""
+        self._check_tier_group(tier, group)
+        own = self.owners[tier][group]
+        out, claim = [], 0
+        for s in range(max(lo, 0), min(hi, len(own))):
+            pid = own[s]
+            if pid < 0:
+                continue
+            p = self.pt[pid]
+            if p.dead or p.claim or p.copy:
+                continue
+            if not claim:
+                claim = self._next_claim()
+            p.claim = claim
+            out.append(pid)
+        return claim, Pages(out)
+
     def drop_page(self, pid: int) -> None:
         """Drop a published page as the last tier's eviction would."""
         _require(0 <= pid < len(self.pt) and self.pt[pid].in_use and not self.pt[pid].dead

@@ -1,0 +1,124 @@
+"""Scrubbing the disk tier: reading every page the store holds there and checking its checksum,
+in the background, so that a damaged page leaves the index (and the routers' view, through KV
+events) before a request matches it. Reads already check every page they serve (the disk tier
+verifies lazily, ``tiers/disk.py``): a scrub changes what is matched and reported, never what
+bytes are served.
+
+A pass walks each disk group's slots a piece (``PIECE_BYTES``) at a time. The core claims the
+piece's pages (``claim_resident``: clean copies are left to the read that finds them), so they
+neither move nor go while a worker thread reads and checks them under the group's lock
+(``DiskTier.verify``). A page written behind is checked once its write has ended. The bad pages
+are dropped as a read that found them drops them (their prefix-critical subtrees with them);
+the rest are unclaimed. A request that needs a claimed page waits for its piece, about a
+millisecond. ``rate`` caps the bytes read per second, so the scrub leaves the disk to requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tiers.errors import CorruptPageError, KvtierError
+
+from .pages import DISK
+from .readiness import wait_events
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("kvtier")
+PIECE_BYTES = 1 << 20           # the pages one claim holds and one locked read checks
+
+
+class Scrubber:
+    """One store's scrubs: a pass at a time (``run``), started at open with ``scrub = "on_open"``."""
+
+    __slots__ = ("store", "rate", "task", "passes", "checked_pages", "discarded_pages", "seconds")
+
+    def __init__(self, store: "Store", rate: int) -> None:
+        self.store = store
+        self.rate = rate                    # bytes read per second at most
+        self.task: asyncio.Task | None = None
+        self.passes = 0                     # passes finished
+        self.checked_pages = 0
+        self.discarded_pages = 0
+        self.seconds = 0.0
+
+    def start(self) -> asyncio.Task:
+        """The pass in progress, or a new one."""
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._pass())
+        return self.task
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+    def stats(self) -> dict:
+        return {"running": self.task is not None and not self.task.done(), "passes": self.passes,
+                "checked_pages": self.checked_pages, "discarded_pages": self.discarded_pages,
+                "seconds": round(self.seconds, 3)}
+
+    async def _pass(self) -> dict:
+        store = self.store
+        t0 = time.perf_counter()
+        checked = discarded = 0
+        read = 0
+        error = None
+        try:
+            for g, grp in enumerate(store.disk.groups):
+                span = max(1, PIECE_BYTES // grp.slot_bytes)
+                for lo in range(0, store.core.capacity(DISK, g), span):
+                    n, bad = await self._piece(g, lo, lo + span)
+                    checked += n
+                    discarded += bad
+                    self.checked_pages += n
+                    self.discarded_pages += bad
+                    read += n * grp.slot_bytes
+                    ahead = read / self.rate - (time.perf_counter() - t0)
+                    await asyncio.sleep(max(0.0, ahead))    # a turn of the loop at least, between pieces
+        except (OSError, KvtierError) as exc:               # an I/O error, the store closing: this pass ends
+            error = exc
+            log.warning("disk scrub stopped after %d page(s): %r", checked, exc)
+        seconds = time.perf_counter() - t0
+        self.passes += 1
+        self.seconds += seconds
+        if discarded:
+            log.warning("disk scrub: %d of %d page(s) failed their checksum and were dropped", discarded, checked)
+        elif error is None:
+            log.info("disk scrub: %d page(s) checked in %.1f s, none bad", checked, seconds)
+        return {"checked_pages": checked, "discarded_pages": discarded, "seconds": round(seconds, 3),
+                "error": None if error is None else repr(error)}
+
+    async def _piece(self, g: int, lo: int, hi: int) -> tuple[int, int]:
+        """Check the pages in slots [lo, hi) of disk group ``g``: (pages checked, pages dropped)."""
+        store = self.store
+        core, moves = store.core, store.moves
+        claim, pages = core.claim_resident(DISK, g, lo, hi)
+        if not claim:
+            return 0, 0
+        store.claims.open([claim], False)
+        bad: list[int] = []
+        try:
+            _, _, slots, _, ready = core.batch_view(pages)
+            await wait_events(store.events.all(ready))      # a page written behind: its write first
+            job = store.loop.run_in_executor(None, store.disk.verify, g, slots)
+            try:
+                found = await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await asyncio.gather(job, return_exceptions=True)   # the read ends before the claim does
+                if not job.cancelled() and job.exception() is None:
+                    bad = [s for _, s, _ in job.result()]           # what it found is dropped all the same
+                raise
+            bad = [s for _, s, _ in found]
+        except CorruptPageError as exc:                     # a write behind failed: the slot holds no page
+            bad = list(getattr(exc, "slots", ()))
+        finally:
+            moves.unclaim(pages, None)
+            if bad:                                         # the disk tier forgot them; now the index does
+                core.discard_corrupt(pages, bad)
+                moves.sync()
+        return len(pages), len(bad)

@@ -1,0 +1,175 @@
+"""The disk scrub (runtime/scrub.py): pages damaged on disk leave the index before a request
+matches them; good pages stay and read back exact, also while requests and spills run beside it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+import pytest
+
+from runtime import ConfigError, DiskConfig, GpuConfig, HostConfig, Store, StoreConfig, UsageError
+from runtime import scrub as scrub_mod
+from runtime.pages import DISK
+
+from helpers import DEVICE, check_seq, config, fill, toks
+
+
+def disk_cfg(tmp_path, host: int | None = None, **disk) -> StoreConfig:
+    """helpers.config's 8 GPU and 64 disk slots (and ``host`` slots), with ``disk`` settings of
+    DiskConfig."""
+    base = config(gpu=8)
+    return StoreConfig(layers=base.layers, tokens_per_block=4, gpu=GpuConfig(slots=8, device=DEVICE),
+                       host=HostConfig(slots=host) if host else None,
+                       disk=DiskConfig(path=str(tmp_path), slots=64, fsync=False, **disk))
+
+
+async def persisted(tmp_path, bases=range(1, 7)) -> None:
+    """Chains toks(base, 4) for each base, all on disk after close."""
+    async with Store.open(disk_cfg(tmp_path)) as store:
+        for base in bases:
+            await fill(store, toks(base, 4))
+
+
+async def disk_slot(store, base: int, block: int) -> int:
+    seq = await store.open_sequence(tokens=toks(base, 4))
+    try:
+        key = seq.keys[block]
+    finally:
+        await seq.close()
+    for pid in store.core.tier_pages(DISK, 0).tolist():
+        info = store.core.page_info(pid)
+        if info["key"] == key:
+            return info["slot"]
+    raise AssertionError(f"chain {base} block {block} is not on disk")
+
+
+def damage(store, slot: int) -> None:
+    """Flip a byte in the middle of ``slot``'s page, in the segment file (bit rot under the store)."""
+    grp = store.disk.groups[0]
+    fd = os.open(grp.seg_path, os.O_RDWR)
+    try:
+        off = slot * grp.stride + grp.slot_bytes // 2
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def test_a_scrub_drops_the_damaged_pages_and_keeps_the_rest_exact(tmp_path, caplog):
+    await persisted(tmp_path)
+    async with Store.open(disk_cfg(tmp_path)) as store:
+        for base in (2, 5):
+            damage(store, await disk_slot(store, base, 3))          # the last block of two chains
+        damage(store, await disk_slot(store, 4, 1))                 # a middle block: its child goes too
+        assert store.stats()["discarded_pages"] == 0
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            got = await store.scrub()
+        assert got["checked_pages"] == 24 and got["discarded_pages"] == 3 and got["error"] is None
+        assert "3 of 24 page(s) failed their checksum" in caplog.text
+        st = store.stats()
+        assert st["discarded_pages"] == 3 and st["disk"]["verified_pages"] == 24
+        assert st["scrub"] == {"running": False, "passes": 1, "checked_pages": 24, "discarded_pages": 3,
+                               "seconds": st["scrub"]["seconds"]}
+        store.check_consistency()
+        for base, matched in ((1, 4), (2, 3), (3, 4), (4, 1), (5, 3), (6, 4)):
+            seq = await store.open_sequence(tokens=toks(base, 4))
+            assert seq.matched_by_tier["disk"] == matched, base      # what the index says is what holds
+            await seq.close()
+            assert await check_seq(store, base) == matched
+        assert store.stats()["corrupt_pages"] == 0                   # no read found a bad page: the scrub did
+        on_disk = len(store.core.tier_pages(DISK, 0).tolist())        # the reads promoted some
+        again = await store.scrub()
+        assert again["discarded_pages"] == 0 and again["checked_pages"] == on_disk
+
+
+async def test_scrub_on_open_runs_in_the_background(tmp_path):
+    await persisted(tmp_path)
+    async with Store.open(disk_cfg(tmp_path)) as store:
+        damage(store, await disk_slot(store, 3, 2))
+    async with Store.open(disk_cfg(tmp_path, scrub="on_open")) as store:
+        assert store.stats()["scrub"]["running"]
+        got = await store.scrub()                                   # joins the pass open started
+        assert got["discarded_pages"] == 1 and store.stats()["scrub"]["passes"] == 1
+        seq = await store.open_sequence(tokens=toks(3, 4))
+        assert seq.matched_by_tier["disk"] == 2
+        await seq.close()
+
+
+async def test_requests_and_spills_beside_a_scrub_stay_exact(tmp_path, monkeypatch):
+    """Pieces of 2 pages, so the scrub's claims interleave with acquires of disk pages, spills
+    from the host (written behind: the scrub waits for each write) and drops of disk victims."""
+    monkeypatch.setattr(scrub_mod, "PIECE_BYTES", 2 * 512)
+    await persisted(tmp_path)
+    async with Store.open(disk_cfg(tmp_path, host=8, scrub_rate="1GB")) as store:
+        damage(store, await disk_slot(store, 6, 3))
+
+        async def load() -> None:
+            for rnd in range(3):
+                for base in range(1, 16):
+                    await fill(store, toks(base, 4))
+                    await asyncio.sleep(0)
+        results = await asyncio.gather(load(), store.scrub(), return_exceptions=True)
+        assert results == [None, results[1]] and results[1]["error"] is None, results
+        await store.drain()
+        store.check_consistency()
+        assert store.stats()["scrub"]["discarded_pages"] <= 1        # chain 6 may have been rewritten first
+        again = await store.scrub()
+        assert again["discarded_pages"] == 0
+        for base in range(1, 16):
+            await check_seq(store, base)                             # every page it serves, exact
+        store.check_consistency()
+
+
+async def test_a_request_waits_for_the_piece_the_scrub_holds(tmp_path, monkeypatch):
+    """The piece's pages are claimed while a thread checks them: an acquire of one waits, then
+    finds the damaged page gone (a recompute) instead of reading it itself."""
+    await persisted(tmp_path)
+    async with Store.open(disk_cfg(tmp_path)) as store:
+        damage(store, await disk_slot(store, 2, 3))
+        gate, entered = threading.Event(), threading.Event()
+        real = store.disk.verify
+
+        def held(g, slots):
+            entered.set()
+            gate.wait(10)
+            return real(g, slots)
+        monkeypatch.setattr(store.disk, "verify", held)
+        scrub = asyncio.ensure_future(store.scrub())
+        assert await asyncio.to_thread(entered.wait, 10)
+        seq = await store.open_sequence(tokens=toks(2, 4))
+        acquire = asyncio.ensure_future(seq.acquire())
+        await asyncio.sleep(0.05)
+        assert not acquire.done()
+        gate.set()
+        got = await scrub
+        await acquire
+        assert got["discarded_pages"] == 1 and seq.recompute_blocks(0) == [3]
+        assert store.stats()["corrupt_pages"] == 0                   # the acquire never read it
+        await seq.close()
+        store.check_consistency()
+
+
+async def test_closing_during_a_scrub_ends_it_and_keeps_every_page(tmp_path, monkeypatch):
+    monkeypatch.setattr(scrub_mod, "PIECE_BYTES", 512)
+    await persisted(tmp_path)
+    async with Store.open(disk_cfg(tmp_path, scrub="on_open", scrub_rate="4KB")) as store:
+        await asyncio.sleep(0.05)                                   # a few pieces in, then close
+        assert store.stats()["scrub"]["running"]
+    async with Store.open(disk_cfg(tmp_path)) as store:
+        got = await store.scrub()
+        assert got["checked_pages"] == 24 and got["discarded_pages"] == 0
+        for base in range(1, 7):
+            assert await check_seq(store, base) == 4
+
+
+async def test_scrub_config_and_misuse(tmp_path):
+    with pytest.raises(ConfigError, match="tiers.disk.scrub: expected 'off' or 'on_open'"):
+        disk_cfg(tmp_path, scrub="always")
+    with pytest.raises(ConfigError, match="tiers.disk.scrub_rate"):
+        disk_cfg(tmp_path, scrub_rate="-1MB")
+    async with Store.open(config(gpu=8)) as store:
+        with pytest.raises(UsageError, match="no disk tier"):
+            await store.scrub()
