@@ -200,7 +200,7 @@ class Pair:
         return out
 
     OPENS = {"claim": lambda r: r, "pick_victims": lambda r: r[1] if r is not None else [],
-             "take_copies": lambda r: r[1]}
+             "take_copies": lambda r: r[1], "claim_resident": lambda r: [r[0]] if r[0] else []}
     SETTLES = {"unclaim": lambda r: r, "land_copies": lambda r: r, "land": lambda r: r[0],
                "drop_victims": lambda r: r[0], "swap_to_copies": lambda r: r[0]}
 
@@ -923,7 +923,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     OPS = (["request"] * 6 + ["twins"] * 2 + ["open"] * 2 + ["extend"] * 4 + ["append"] * 2 + ["acquire"] * 4
            + ["release"] * 3 + ["commit"] * 4 + ["close"] * 3 + ["prefetch"] * 2 + ["demote"] * 2 + ["settle"] * 3
-           + ["drain"] * 2 + ["copy"] * 3 + ["undo_extend", "persist", "drop_page", "restart", "queries"])
+           + ["drain"] * 2 + ["copy"] * 3 + ["undo_extend", "persist", "drop_page", "restart", "queries", "scrub"])
     NEEDS_SEQ = {"extend", "append", "acquire", "release", "commit", "close", "undo_extend", "prefetch"}
 
     @rule(data=st.data(), op=st.sampled_from(OPS))
@@ -1063,6 +1063,21 @@ class CoreMachine(RuleBasedStateMachine):
                     candidates.append(pid)
         if candidates:
             self.d.call("drop_page", data.draw(st.sampled_from(candidates)))
+
+    def op_scrub(self, data):
+        """A piece of the disk scrub (runtime/scrub.py): claim the pages of a slot range, then
+        unclaim them, now and then dropping some as found bad."""
+        if not self.d.capacity[DISK]:
+            return
+        g = data.draw(st.integers(0, len(self.d.capacity[DISK]) - 1))
+        lo = data.draw(st.integers(-2, self.d.capacity[DISK][g]))
+        claim, pages = self.d.call("claim_resident", DISK, g, lo, lo + data.draw(st.integers(0, 9)))
+        if not claim:
+            return
+        slots = self.d.call("batch_view", pages)[2]
+        self.d.call("unclaim", pages)
+        if data.draw(st.integers(0, 2)) == 0:
+            self.d.call("discard_corrupt", pages, data.draw(st.lists(st.sampled_from(list(slots)), max_size=2)))
 
     def op_drain(self, data):
         self.d.drain()

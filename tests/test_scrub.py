@@ -85,6 +85,25 @@ async def test_a_scrub_drops_the_damaged_pages_and_keeps_the_rest_exact(tmp_path
         assert again["discarded_pages"] == 0 and again["checked_pages"] == on_disk
 
 
+async def test_routers_see_the_scrub_drop_what_it_found_bad(tmp_path):
+    """KV events: the damaged page's block leaves the disk in the routers' view too."""
+    from runtime import EventsConfig
+    from test_kv_events import RouterIndex
+    await persisted(tmp_path)
+    cfg = disk_cfg(tmp_path)
+    cfg.events = EventsConfig()
+    async with Store.open(cfg) as store:
+        index = RouterIndex()
+        index.feed(store)
+        on_disk = {h for h, medium, _ in index.held if medium == "DISK"}
+        assert len(on_disk) == 24
+        damage(store, await disk_slot(store, 1, 3))
+        assert (await store.scrub())["discarded_pages"] == 1
+        index.feed(store)
+        assert index.held == store.kv_events.holdings()
+        assert len({h for h, medium, _ in index.held if medium == "DISK"}) == 23
+
+
 async def test_scrub_on_open_runs_in_the_background(tmp_path):
     await persisted(tmp_path)
     async with Store.open(disk_cfg(tmp_path)) as store:
