@@ -34,6 +34,9 @@ kvtier_kv_cache_slots_used{tier,group}                    none (numerator of vll
 kvtier_kv_cache_usage_perc{tier,group}                    vllm:kv_cache_usage_perc (a 0..1 fraction as well)
 kvtier_kv_cache_slots_evictable{tier,group}               none
 kvtier_kv_cache_pages{tier,group,state}                   none
+kvtier_kv_cache_hit_pages_total{tier,group}               none (pages open_sequence matched in the group)
+kvtier_kv_cache_moved_pages_total{tier,group,way}         none (way: in, out; the offload metrics per group)
+kvtier_kv_cache_moved_bytes_total{tier,group,way}         none
 kvtier_kv_offload_pages_total{direction}                  none
 kvtier_kv_offload_bytes_total{direction}                  vllm:kv_offload_total_bytes{transfer_type}
                                                           (newer: vllm:kv_offload_store_bytes / _load_bytes)
@@ -162,6 +165,12 @@ class StoreCollector:
                                "Slots on the eviction queue per tier and pool group", labels=slot),
             "states": gauge(f"{p}_kv_cache_pages", "Pages owning slots per tier, pool group and state "
                             "(locked, held or unpublished, droppable)", labels=slot + ["state"]),
+            "hit_pages": counter(f"{p}_kv_cache_hit_pages", "Pages open_sequence matched per tier and pool group",
+                                 labels=slot),
+            "moved_pages": counter(f"{p}_kv_cache_moved_pages", "Pages moved in and out per tier and pool group",
+                                   labels=slot + ["way"]),
+            "moved_bytes": counter(f"{p}_kv_cache_moved_bytes", "Bytes moved in and out per tier and pool group "
+                                   "(pages at their destination's slot size)", labels=slot + ["way"]),
             "pages": counter(f"{p}_kv_offload_pages", "Pages moved per direction", labels=d),
             "bytes": counter(f"{p}_kv_offload_bytes",
                              "Bytes moved per direction (pages at their destination's slot size)", labels=d),
@@ -263,7 +272,12 @@ class StoreCollector:
                 f["evictable"].add_metric(labels, g["evictable"])
                 for s in ("locked", "held", "droppable"):
                     f["states"].add_metric(labels + [s], g[s])
-        yield from (f["slots"], f["used"], f["usage"], f["evictable"], f["states"])
+                f["hit_pages"].add_metric(labels, g["hit_pages"])
+                for way in ("in", "out"):
+                    f["moved_pages"].add_metric(labels + [way], g[f"moved_{way}"]["pages"])
+                    f["moved_bytes"].add_metric(labels + [way], g[f"moved_{way}"]["bytes"])
+        yield from (f["slots"], f["used"], f["usage"], f["evictable"], f["states"], f["hit_pages"],
+                    f["moved_pages"], f["moved_bytes"])
 
         engine = getattr(self.store, "engine", None)
         seconds = getattr(getattr(engine, "stats", None), "seconds", {})

@@ -502,7 +502,8 @@ class MigrationEngine:
                             scatter(hot.tensor, dst_slots, self._convert(rows, lcs, False, hot.spec.slot_bytes))
                     ev = await self._stage(busy, self.up, job, fences, inline=small)
         if record:
-            self.stats.record(TIER_NAMES[src_tier], TIER_NAMES[dst_tier], n_pages, nbytes, busy[0])
+            self.stats.record(TIER_NAMES[src_tier], src_group, TIER_NAMES[dst_tier], dst_group, n_pages, nbytes,
+                              busy[0])
             if not batch.released:      # a write behind: when it ends (_behind_done)
                 self.latency.record(_DIRECTION[src_tier][dst_tier], time.perf_counter() - t_start)
         return ev

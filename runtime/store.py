@@ -470,6 +470,8 @@ class Store:
         states = core.state_counts()
         tiers = {}
         hits = dict(zip(TIER_NAMES, counters["hits"]))
+        hit_pages = core.hit_pages()
+        moves = self.engine.stats
         for t in self.tier_ids:
             groups = []
             for g in range(core.n_groups(t)):
@@ -478,6 +480,7 @@ class Store:
                     "index": g, "slots": core.capacity(t, g), "free": core.free(t, g), "used": core.used(t, g),
                     "evictable": core.queue_len(t, g), "locked": locked, "held": held, "droppable": droppable,
                     "slot_bytes": (self.slabs[t][g].spec.slot_bytes if t < DISK else self.engine.cold_bytes[g]),
+                    "hit_pages": hit_pages[t][g], **moves.of_group(TIER_NAMES[t], g),
                 })
             tiers[TIER_NAMES[t]] = {"groups": groups, "hits": hits[TIER_NAMES[t]]}
         out = {

@@ -249,7 +249,8 @@ class Pair:
 
     @staticmethod
     def light_state(side, groups) -> tuple:
-        return (side.clock, side.counters(), side.live_pages(), side.write_through(HOST), side.write_through(DISK),
+        return (side.clock, side.counters(), side.hit_pages(), side.live_pages(), side.write_through(HOST),
+                side.write_through(DISK),
                 side.copies_pending(HOST), side.copies_pending(DISK),
                 [(side.free(t, g), side.queue_len(t, g)) for t in range(3) for g in range(groups[t])])
 

@@ -148,6 +148,11 @@ async def test_figures_match_store_stats(tmp_path, monkeypatch):
                       for s in ("locked", "held", "droppable")}
             assert sum(states.values()) == used[(tier, g)]          # drained: every used slot has its page
             assert states["locked"] == 0
+            assert samples[("kvtier_kv_cache_hit_pages_total", labels)] == group["hit_pages"]
+            for way in ("in", "out"):
+                key = (("group", str(g)), ("tier", tier), ("way", way))
+                assert samples[("kvtier_kv_cache_moved_pages_total", key)] == group[f"moved_{way}"]["pages"]
+                assert samples[("kvtier_kv_cache_moved_bytes_total", key)] == group[f"moved_{way}"]["bytes"]
         assert used[("gpu", 0)] == 4 and used[("host", 0)] == 4 and used[("disk", 0)] > 0
 
         # drops and recovery

@@ -262,3 +262,33 @@ def test_a_store_used_from_another_event_loop_says_so(tmp_path):
     finally:
         first.close()
         second.close()
+
+
+async def test_stats_count_hits_and_moves_per_pool_group(tmp_path):
+    """DESIGN.md's stats() are per tier and pool group: hits (pages matched there), and moves,
+    bytes and bandwidth each way; the groups' figures add up to the tier's and direction's."""
+    from runtime import ReusePolicy
+    from helpers import two_life_cycles
+    cfg = config(gpu=12, host=24, disk=64, disk_dir=tmp_path,
+                 layers=two_life_cycles(ReusePolicy.OPTIONAL, window=8, sinks=4))
+    async with Store.open(cfg) as store:
+        assert store.pool_groups("gpu") == {0: 0, 1: 1}
+        for rnd in range(2):
+            for base in range(12):
+                await fill(store, toks(base, 3))
+        await store.drain()
+        st = store.stats()
+        blocks = sum(st["hits"].values())
+        for name, tier in st["tiers"].items():
+            groups = tier["groups"]
+            assert len(groups) == 2
+            assert sum(g["hit_pages"] for g in groups) >= tier["hits"]      # a block hit has a page or more
+            for way, end in (("out", 0), ("in", 1)):
+                moved = sum(m["pages"] for d, m in st["moves"].items() if d.split("->")[end] == name)
+                nbytes = sum(m["bytes"] for d, m in st["moves"].items() if d.split("->")[end] == name)
+                assert sum(g[f"moved_{way}"]["pages"] for g in groups) == moved, (name, way)
+                assert sum(g[f"moved_{way}"]["bytes"] for g in groups) == nbytes, (name, way)
+        assert blocks > 0 and st["tiers"]["host"]["groups"][1]["hit_pages"] > 0      # the OPTIONAL group's own
+        assert st["tiers"]["disk"]["groups"][0]["moved_in"]["pages"] > 0
+        g = st["tiers"]["gpu"]["groups"][0]["moved_out"]
+        assert g["bandwidth_gbps"] > 0 and g["bytes"] == g["pages"] * st["tiers"]["gpu"]["groups"][0]["slot_bytes"]

@@ -524,6 +524,7 @@ NB_MODULE(_core, m) {
              return out;
            })
       // -- queries
+      .def("hit_pages", [](const Core& c) { return c.hit_pages(); })
       .def("counters", [](const Core& c) {
              auto& k = c.counters();
              nb::dict d;

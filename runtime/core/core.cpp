@@ -34,6 +34,7 @@ Core::Core(int32_t tokens_per_block, std::vector<LifeCycle> lcs, std::vector<std
     allocs_.emplace_back();
     queues_.emplace_back();
     owners_.emplace_back();
+    hit_pages_.emplace_back(capacity[t].size(), 0);
     for (size_t g = 0; g < capacity[t].size(); ++g) {
       require(capacity[t][g] >= 0, "a capacity must not be negative");
       allocs_[t].emplace_back(capacity[t][g], t == DISK);    // disk: a sweep (allocator.hpp)
@@ -332,6 +333,7 @@ OpenResult Core::open_seq(std::vector<Key> keys, int priority) {
         if (id < 0) continue;
         Page& p = pt_[id];
         ++p.holders;
+        ++hit_pages_[size_t(p.tier)][size_t(p.group)];
         if (p.tier == last_tier_) requeue(id);      // a held page leaves the last tier's drop queue
         held.push_back(id);
         coldest = std::max(coldest, int(p.tier));

@@ -309,6 +309,8 @@ class Core {
   size_t live_blocks() const;
   size_t memory_bytes() const;
   const Counters& counters() const { return counters_; }
+  // Pages open_sequence matched in each pool group, [tier][group] (Counters.hits counts blocks by tier).
+  const std::vector<std::vector<int64_t>>& hit_pages() const { return hit_pages_; }
   int64_t clock() const { return clock_; }
   // Per (tier, group): [locked, held, droppable] page counts.
   std::vector<std::vector<std::vector<int64_t>>> state_counts() const;
@@ -416,6 +418,7 @@ class Core {
   WriteThroughQueue wt_[kTiers];
   std::vector<int32_t> copy_of_;
   Counters counters_;
+  std::vector<std::vector<int64_t>> hit_pages_;        // [tier][group]: pages matched there (open_sequence)
   std::vector<std::pair<int32_t, Ids>> disk_frees_;    // drained by Python after each call
   Ids relabels_;                                       // pages to relabel (filtered at take)
   mutable std::vector<int32_t> scratch_;

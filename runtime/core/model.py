@@ -523,6 +523,7 @@ class ModelCore:
         self.pt: list[Page] = []                 # the page table, by page id
         self.queues: list[list[LruQueue]] = []
         self.owners: list[list[list[int]]] = []  # [tier][group][slot] -> page id (-1)
+        self.hit_pages_: list[list[int]] = []      # [tier][group]: pages matched there (open_sequence)
         self.sole_group: list[int | None] = []   # per tier: the one group every lc maps to
         self.next_tier = [-1, -1, -1]
         self._last_tier = GPU
@@ -533,6 +534,7 @@ class ModelCore:
             self.allocs.append([])
             self.queues.append([])
             self.owners.append([])
+            self.hit_pages_.append([0] * len(capacity[t]))
             for cap in capacity[t]:
                 _require(cap >= 0, "a capacity must not be negative")
                 self.allocs[t].append(SlotAllocator(cap, sweep=t == DISK))
@@ -934,6 +936,7 @@ class ModelCore:
                         continue
                     p = self.pt[pid]
                     p.holders += 1
+                    self.hit_pages_[p.tier][p.group] += 1
                     if p.tier == self._last_tier:
                         self._requeue(pid)      # a held page leaves the last tier's drop queue
                     held.append(pid)
@@ -2197,6 +2200,10 @@ class ModelCore:
         self._drop(pid)
 
     # -- queries -------------------------------------------------------------------------------------------------
+    def hit_pages(self) -> list[list[int]]:
+        """Pages open_sequence matched in each pool group, [tier][group]."""
+        return [list(row) for row in self.hit_pages_]
+
     def counters(self) -> dict:
         c = self.counters_
         return {"hits": tuple(c.hits), "lookup_blocks": c.lookup_blocks, "drops": c.drops,
