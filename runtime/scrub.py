@@ -19,10 +19,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tiers.errors import CorruptPageError, KvtierError
+from tiers.errors import KvtierError, StoreClosedError
 
 from .pages import DISK
-from .readiness import wait_events
+from .readiness import ended
 
 if TYPE_CHECKING:
     from .store import Store
@@ -32,14 +32,16 @@ PIECE_BYTES = 1 << 20           # the pages one claim holds and one locked read 
 
 
 class Scrubber:
-    """One store's scrubs: a pass at a time (``run``), started at open with ``scrub = "on_open"``."""
+    """One store's scrubs: a pass at a time (``start``), one at open with ``scrub = "on_open"``;
+    none once the store closes (``stop``)."""
 
-    __slots__ = ("store", "rate", "task", "passes", "checked_pages", "discarded_pages", "seconds")
+    __slots__ = ("store", "rate", "task", "stopped", "passes", "checked_pages", "discarded_pages", "seconds")
 
     def __init__(self, store: "Store", rate: int) -> None:
         self.store = store
         self.rate = rate                    # bytes read per second at most
         self.task: asyncio.Task | None = None
+        self.stopped = False
         self.passes = 0                     # passes finished
         self.checked_pages = 0
         self.discarded_pages = 0
@@ -47,11 +49,15 @@ class Scrubber:
 
     def start(self) -> asyncio.Task:
         """The pass in progress, or a new one."""
+        if self.stopped:
+            raise StoreClosedError("store is closing: no scrub")
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._pass())
         return self.task
 
     async def stop(self) -> None:
+        """End the pass in progress (after its piece's read) and start none again."""
+        self.stopped = True
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
@@ -104,7 +110,9 @@ class Scrubber:
         bad: list[int] = []
         try:
             _, _, slots, _, ready = core.batch_view(pages)
-            await wait_events(store.events.all(ready))      # a page written behind: its write first
+            for ev in set(store.events.all(ready)):         # a page written behind: its write first
+                if ev is not None:
+                    await ended(ev, store.loop)             # (a failed one's slot: verify names it bad)
             job = store.loop.run_in_executor(None, store.disk.verify, g, slots)
             try:
                 found = await asyncio.shield(job)
@@ -114,8 +122,6 @@ class Scrubber:
                     bad = [s for _, s, _ in job.result()]           # what it found is dropped all the same
                 raise
             bad = [s for _, s, _ in found]
-        except CorruptPageError as exc:                     # a write behind failed: the slot holds no page
-            bad = list(getattr(exc, "slots", ()))
         finally:
             moves.unclaim(pages, None)
             if bad:                                         # the disk tier forgot them; now the index does

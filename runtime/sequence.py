@@ -414,6 +414,9 @@ class Sequence:
         for lc in holes[1::2]:
             g = gpu_group[lc]
             counts[g] = counts.get(g, 0) + 1
+        for g, n in counts.items():         # the fresh pages alone outnumber a group's slots
+            if n > (cap := store.core.capacity(GPU, g)):
+                raise RequestTooLargeError(f"acquiring needs {n} new pages of GPU pool group {g}, which holds {cap}")
         slots = await store.moves.obtain_many(GPU, counts)
         await wait_events(store.events.all(store.core.fill_holes(self.sid, holes, slots)))
 

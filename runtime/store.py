@@ -118,6 +118,8 @@ class Store:
         self.write_throughs = {t: WriteThrough(self, c, t) for t, c in ((DISK, cfg.disk), (HOST, cfg.host))
                                if c is not None and c.write == "through"}
         self._recounted = [0, 0, 0, 0]     # lookups and hits of first opens that a remote import re-matched
+        self._recounted_pages: list[list[int]] = [[], [], []]     # and their hit_pages, [tier][group]
+        self._first_open_pages: tuple = ([], [])                  # hit_pages around the last core.open
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -393,13 +395,13 @@ class Store:
             else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
                 keys = await self.loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
             self.check_open()                   # the store may have closed meanwhile
-            sid, matched, by_tier = core.open(keys, priority)
+            sid, matched, by_tier = self._open_in_core(keys, priority)
             self._keep_tokens(sid, token_arr, len(keys))
         else:
             token_arr = None
             keys = list(block_keys) if isinstance(block_keys, (list, tuple)) else check_block_keys(block_keys)
             try:
-                sid, matched, by_tier = core.open(keys, priority)     # checks ints and bytes in C++
+                sid, matched, by_tier = self._open_in_core(keys, priority)     # checks ints and bytes in C++
                 failed = False
             except (ValueError, TypeError):
                 failed = True
@@ -409,7 +411,7 @@ class Store:
                 # its UsageError does not carry the core's message as its context
                 keys = check_block_keys(block_keys)
                 try:
-                    sid, matched, by_tier = core.open(keys, priority)
+                    sid, matched, by_tier = self._open_in_core(keys, priority)
                 except (ValueError, TypeError) as exc:
                     raise UsageError(str(exc)) from None
         remote = None
@@ -419,6 +421,11 @@ class Store:
                 remote, again = await self._remote_import(sid, keys, matched)
                 if again:                       # matched again, over the imported blocks (or another's)
                     core.close(sid)
+                    before, after = self._first_open_pages
+                    for t, (b, a) in enumerate(zip(before, after)):
+                        row = self._recounted_pages[t] = self._recounted_pages[t] or [0] * len(a)
+                        for g in range(len(a)):
+                            row[g] += a[g] - b[g]
                     self._recounted[0] += len(keys)
                     for t in range(3):
                         self._recounted[1 + t] += by_tier[t]
@@ -426,6 +433,16 @@ class Store:
                     self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
                     self._keep_tokens(sid, token_arr, len(keys))
         return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
+
+    def _open_in_core(self, keys: list, priority: int) -> tuple:
+        """``core.open``; with a remote tier it also keeps the pages it counted per (tier, group)
+        (``_first_open_pages``), which a re-match after an import takes back out of ``hit_pages``."""
+        if self.remote is None:
+            return self.core.open(keys, priority)
+        before = self.core.hit_pages()
+        out = self.core.open(keys, priority)
+        self._first_open_pages = (before, self.core.hit_pages())
+        return out
 
     def _keep_tokens(self, sid: int, token_arr: np.ndarray | None, n_keys: int) -> None:
         """KV events: the blocks' tokens, for their BlockStored (a sequence opened with tokens)."""
@@ -471,6 +488,9 @@ class Store:
         tiers = {}
         hits = dict(zip(TIER_NAMES, counters["hits"]))
         hit_pages = core.hit_pages()
+        for t, row in enumerate(self._recounted_pages):
+            for g, n in enumerate(row):
+                hit_pages[t][g] -= n
         moves = self.engine.stats
         for t in self.tier_ids:
             groups = []
@@ -547,6 +567,8 @@ class Store:
         self.check_open()
         if self.scrubber is None:
             raise UsageError("scrub: this store has no disk tier")
+        if self._closing is not None:
+            raise StoreClosedError("store is closing: no scrub")
         return await asyncio.shield(self.scrubber.start())
 
     async def drain(self) -> None:

@@ -675,12 +675,31 @@ class Driver:
                 pass
         elif op.kind == "copy":
             self.finish_copies(op)
+        elif op.kind == "scrub":
+            self.end_scrub(op.pages)
         else:
             try:
                 freed = self.evict(op.tier, op.pages, op.group)
             except Failed:
                 return
             self.call("release_slots", op.tier, op.group, freed, 0)
+
+    def scrub(self, g: int, lo: int, hi: int, now: bool) -> None:
+        """A piece of the disk scrub (runtime/scrub.py): its pages claimed while a thread reads them,
+        here left in flight (other operations meanwhile) unless ``now``."""
+        claim, pages = self.call("claim_resident", DISK, g, lo, hi)
+        if claim:
+            op = Pending("scrub", pages, [claim], DISK, g)
+            self.pending.append(op)
+            if now:
+                self.complete(op)
+
+    def end_scrub(self, pages: PP) -> None:
+        """The piece read: unclaimed, now and then some dropped as found bad."""
+        slots = self.call("batch_view", pages)[2]
+        self.call("unclaim", pages)
+        if self.rng.random() < 0.3:
+            self.call("discard_corrupt", pages, self.rng.sample(list(slots), self.rng.randint(0, min(2, len(slots)))))
 
     def give_up(self, op: Pending) -> None:
         self.pending.remove(op)
@@ -924,7 +943,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     OPS = (["request"] * 6 + ["twins"] * 2 + ["open"] * 2 + ["extend"] * 4 + ["append"] * 2 + ["acquire"] * 4
            + ["release"] * 3 + ["commit"] * 4 + ["close"] * 3 + ["prefetch"] * 2 + ["demote"] * 2 + ["settle"] * 3
-           + ["drain"] * 2 + ["copy"] * 3 + ["undo_extend", "persist", "drop_page", "restart", "queries", "scrub"])
+           + ["drain"] * 2 + ["copy"] * 3 + ["undo_extend", "persist", "drop_page", "restart", "queries"] + ["scrub"] * 2)
     NEEDS_SEQ = {"extend", "append", "acquire", "release", "commit", "close", "undo_extend", "prefetch"}
 
     @rule(data=st.data(), op=st.sampled_from(OPS))
@@ -1066,19 +1085,10 @@ class CoreMachine(RuleBasedStateMachine):
             self.d.call("drop_page", data.draw(st.sampled_from(candidates)))
 
     def op_scrub(self, data):
-        """A piece of the disk scrub (runtime/scrub.py): claim the pages of a slot range, then
-        unclaim them, now and then dropping some as found bad."""
-        if not self.d.capacity[DISK]:
-            return
-        g = data.draw(st.integers(0, len(self.d.capacity[DISK]) - 1))
-        lo = data.draw(st.integers(-2, self.d.capacity[DISK][g]))
-        claim, pages = self.d.call("claim_resident", DISK, g, lo, lo + data.draw(st.integers(0, 9)))
-        if not claim:
-            return
-        slots = self.d.call("batch_view", pages)[2]
-        self.d.call("unclaim", pages)
-        if data.draw(st.integers(0, 2)) == 0:
-            self.d.call("discard_corrupt", pages, data.draw(st.lists(st.sampled_from(list(slots)), max_size=2)))
+        if self.d.capacity[DISK]:
+            g = data.draw(st.integers(0, len(self.d.capacity[DISK]) - 1))
+            lo = data.draw(st.integers(-2, self.d.capacity[DISK][g]))
+            self.d.scrub(g, lo, lo + data.draw(st.integers(0, 9)), data.draw(st.booleans()))
 
     def op_drain(self, data):
         self.d.drain()

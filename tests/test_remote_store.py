@@ -483,3 +483,19 @@ async def test_a_tee_whose_records_fail_gives_its_reservation_back(server, monke
         await a.drain()
         assert a.stats()["remote"]["written_pages"] == before + 4
         assert await check_hits(a, 3) == 0                  # all local, and all exact
+
+
+async def test_hit_pages_count_a_rematch_after_an_import_once(server):
+    """Review find: an open that imports from the remote matches again, and the pages of its
+    first match were counted in stats()'s per-group hit_pages twice."""
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    async with Store.open(remote_cfg(server.url)) as b:
+        await fill(b, prompt(0, blocks=2))                  # 2 of prompt 0's 6 blocks, imported
+        seq = await b.open_sequence(tokens=prompt(0))       # 2 local, 4 imported, matched again
+        assert seq.matched_by_tier["remote"] == 4 and seq.matched_blocks == 6
+        await seq.close()
+        st = b.stats()
+        pages = sum(g["hit_pages"] for t in st["tiers"].values() for g in t["groups"])
+        assert st["hits"] == {"gpu": 2, "host": 0, "disk": 0, "remote": 6}
+        assert pages == 8                                   # one page a block, each counted once

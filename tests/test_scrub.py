@@ -3,13 +3,15 @@ matches them; good pages stay and read back exact, also while requests and spill
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
 
 import pytest
 
-from runtime import ConfigError, DiskConfig, GpuConfig, HostConfig, Store, StoreConfig, UsageError
+from runtime import (ConfigError, DiskConfig, GpuConfig, HostConfig, Store, StoreClosedError, StoreConfig,
+                     UsageError)
 from runtime import scrub as scrub_mod
 from runtime.pages import DISK
 
@@ -33,7 +35,12 @@ async def persisted(tmp_path, bases=range(1, 7)) -> None:
 
 
 async def disk_slot(store, base: int, block: int) -> int:
-    seq = await store.open_sequence(tokens=toks(base, 4))
+    return await disk_slot_of(store, base, 4, block)
+
+
+async def disk_slot_of(store, base: int, n: int, block: int) -> int:
+    """The disk slot of block ``block`` of chain ``toks(base, n)`` (found by its key)."""
+    seq = await store.open_sequence(tokens=toks(base, n))
     try:
         key = seq.keys[block]
     finally:
@@ -171,6 +178,40 @@ async def test_a_request_waits_for_the_piece_the_scrub_holds(tmp_path, monkeypat
         store.check_consistency()
 
 
+async def test_an_eviction_never_takes_the_pages_a_scrub_holds(tmp_path, monkeypatch):
+    """Review find: the scrub's claim left its pages on the disk's eviction queue, so a spill into
+    a full disk dropped them under the read (their ids recycled, the scrub's unclaim then ended
+    other pages' claims: a crash)."""
+    await persisted(tmp_path)                               # 24 pages
+    cfg = disk_cfg(tmp_path)
+    cfg.disk.slots = 24                                     # the disk full of them
+    async with Store.open(cfg) as store:
+        core = store.core
+        gate, entered = threading.Event(), threading.Event()
+        real = store.disk.verify
+
+        def held(g, slots):
+            entered.set()
+            gate.wait(10)
+            return real(g, slots)
+        monkeypatch.setattr(store.disk, "verify", held)
+        scrub = asyncio.ensure_future(store.scrub())
+        assert await asyncio.to_thread(entered.wait, 10)
+        held_pages = core.tier_pages(DISK, 0).tolist()
+        assert len(held_pages) == 24 and core.queue_len(DISK, 0) == 0
+        store.check_consistency()                           # claimed pages are off the queue
+        for base in range(20, 24):
+            await fill(store, toks(base, 4))                # GPU victims cannot spill: dropped instead
+        assert core.tier_pages(DISK, 0).tolist() == held_pages
+        gate.set()
+        assert (await scrub)["checked_pages"] == 24
+        store.check_consistency()
+        assert core.queue_len(DISK, 0) == 24                # back on the queue
+        for base in range(1, 7):
+            await check_seq(store, base)                    # what is matched reads back exact
+        store.check_consistency()
+
+
 async def test_closing_during_a_scrub_ends_it_and_keeps_every_page(tmp_path, monkeypatch):
     monkeypatch.setattr(scrub_mod, "PIECE_BYTES", 512)
     await persisted(tmp_path)
@@ -182,6 +223,71 @@ async def test_closing_during_a_scrub_ends_it_and_keeps_every_page(tmp_path, mon
         assert got["checked_pages"] == 24 and got["discarded_pages"] == 0
         for base in range(1, 7):
             assert await check_seq(store, base) == 4
+
+
+async def test_a_scrub_drops_what_a_failed_write_behind_left(tmp_path):
+    """Review find: a page whose write behind failed while the scrub held it (so the store's
+    failure handler left it to the holder) stayed in the index, and the error ended the pass."""
+    cfg = disk_cfg(tmp_path, host=8)
+    async with Store.open(cfg) as store:
+        for base in range(1, 5):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        gate, entered = threading.Event(), threading.Event()
+        real = store.disk.write
+
+        def write(group, slots, rows, records, durable=True, **kw):
+            if not durable:                                 # a write behind
+                entered.set()
+                gate.wait(10)
+                raise OSError(errno.EIO, "injected")
+            return real(group, slots, rows, records, durable=durable, **kw)
+        store.disk.write = write
+        await fill(store, toks(9, 4))                       # spills host pages, written behind
+        assert await asyncio.to_thread(entered.wait, 5)
+        scrub = asyncio.ensure_future(store.scrub())
+        await asyncio.sleep(0.05)                           # it holds the pages whose write is failing
+        gate.set()
+        got = await scrub
+        store.disk.write = real
+        assert got["error"] is None and got["discarded_pages"] > 0
+        await store.drain()
+        store.check_consistency()
+        live = set(store.disk.live_slots(0))
+        assert all(store.core.page_info(p)["slot"] in live for p in store.core.tier_pages(DISK, 0).tolist())
+        for base in (1, 2, 3, 4, 9):
+            await check_seq(store, base)
+
+
+async def test_no_scrub_starts_once_the_store_closes(tmp_path):
+    await persisted(tmp_path)
+    store = Store.open(disk_cfg(tmp_path))
+    await store.__aenter__()
+    closing = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)
+    with pytest.raises(StoreClosedError):
+        await store.scrub()
+    await closing
+
+
+async def test_an_acquire_whose_fresh_pages_outnumber_the_gpu_is_too_large(tmp_path):
+    """Review find: an acquire whose matched pages were all dropped (here by the scrub) needs
+    fresh pages for each; more than the GPU group holds was an OutOfPagesError a server retries."""
+    from runtime import RequestTooLargeError
+    cfg = disk_cfg(tmp_path)
+    cfg.gpu.slots = 16
+    async with Store.open(cfg) as store:
+        await fill(store, toks(1, 12))
+    async with Store.open(disk_cfg(tmp_path)) as store:    # 8 GPU slots
+        for b in range(12):
+            damage(store, await disk_slot_of(store, 1, 12, b))
+        seq = await store.open_sequence(tokens=toks(1, 12))
+        assert seq.matched_by_tier["disk"] == 12
+        assert (await store.scrub())["discarded_pages"] == 12
+        with pytest.raises(RequestTooLargeError, match="12 new pages of GPU pool group 0, which holds 8"):
+            await seq.acquire()
+        await seq.close()
+        store.check_consistency()
 
 
 async def test_scrub_config_and_misuse(tmp_path):

@@ -1386,18 +1386,30 @@ class DiskTier:
         return found
 
     def verify(self, group: int, slots: Iterable[int]) -> list[tuple[int, int, str]]:
-        """Read and checksum the pages of ``slots`` (ascending), discarding the bad ones as a read
-        that found them would; returns those (group, slot, reason). For a store's scrub
-        (``runtime.scrub``), whose claims keep the pages still: a slot that holds no page (its
-        write failed: ``forget``) is a ``CorruptPageError`` naming it, as for ``read``."""
+        """Read and checksum the pages of ``slots``, discarding the bad ones as a read that found
+        them would; returns the bad ones as (group, slot, reason), slots whose page was discarded
+        already (found bad, or its write failed: ``forget``) among them. For a store's scrub
+        (``runtime.scrub``), whose claims keep the pages still; any other empty slot is a
+        ``UsageError``."""
         g = self._group(group)
         sl, _ = self._check_slots(g, slots)
         if not len(sl):
             return []
-        scratch = np.empty((len(sl), g.slot_bytes), dtype=np.uint8)
+        sl = np.sort(sl)
         with g.lock:
-            self._check_live_locked(g, sl)
-            return self._verify_locked(g, np.sort(sl), scratch)
+            if self._closed:
+                raise StoreClosedError("disk tier is closed")
+            self._usable(g)
+            g.reserve(int(sl[-1]) + 1)
+            live = g.live[sl]
+            gone = sl[~live & g.forgotten[sl]]
+            if len(gone) + int(live.sum()) < len(sl):
+                raise UsageError(f"disk group {g.index} has no page in slot(s) {sl[~live][:16].tolist()}")
+            found = [(g.index, int(s), "discarded") for s in gone.tolist()]
+            part = sl[live]
+            if len(part):
+                found += self._verify_locked(g, part, np.empty((len(part), g.slot_bytes), dtype=np.uint8))
+            return found
 
     def _verify_locked(self, g: DiskGroup, part: np.ndarray, scratch: np.ndarray) -> list[tuple[int, int, str]]:
         """Under g.lock: ``verify`` of ascending live slots ``part`` (scratch: rows to read into),

@@ -1717,6 +1717,7 @@ Ids Core::claim_resident(int tier, int group, int32_t lo, int32_t hi, int32_t& c
     if (p.dead || p.claim || p.copy) continue;
     if (!claim_out) claim_out = next_claim();
     p.claim = claim_out;
+    unqueue(id);                                // claimed pages are no eviction's victims (unclaim requeues)
     out.push_back(id);
   }
   return out;

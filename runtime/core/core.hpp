@@ -292,7 +292,8 @@ class Core {
   Ids tier_pages(int tier, int group) const;      // the pages owning slots of (tier, group), by slot
   // For a scrub: claims, one claim for all (its id in claim_out, 0 when none), the pages owning
   // slots [lo, hi) of (tier, group) that are live, unclaimed and not clean copies, by slot.
-  // Claimed, they neither move nor go until unclaim: their bytes hold still while read.
+  // Claimed (and off their queue), they neither move nor go until unclaim: their bytes hold still
+  // while read.
   Ids claim_resident(int tier, int group, int32_t lo, int32_t hi, int32_t& claim_out);
   void drop_page(int32_t id);                     // drop a published page as the last tier's eviction would
 

@@ -2189,6 +2189,7 @@ class ModelCore:
             if not claim:
                 claim = self._next_claim()
             p.claim = claim
+            self._unqueue(pid)                  # claimed pages are no eviction's victims (unclaim requeues)
             out.append(pid)
         return claim, Pages(out)
 
