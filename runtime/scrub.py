@@ -19,7 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tiers.errors import KvtierError, StoreClosedError
+from tiers.errors import KvtierError, StoreClosedError, UsageError
 
 from .pages import DISK
 from .readiness import ended
@@ -64,6 +64,8 @@ class Scrubber:
             self.task = None
 
     def stats(self) -> dict:
+        """``running``, ``passes`` (finished), ``checked_pages`` and ``discarded_pages`` of every
+        pass so far (a piece at a time), ``seconds`` of the finished ones."""
         return {"running": self.task is not None and not self.task.done(), "passes": self.passes,
                 "checked_pages": self.checked_pages, "discarded_pages": self.discarded_pages,
                 "seconds": round(self.seconds, 3)}
@@ -89,6 +91,10 @@ class Scrubber:
         except (OSError, KvtierError) as exc:               # an I/O error, the store closing: this pass ends
             error = exc
             log.warning("disk scrub stopped after %d page(s): %r", checked, exc)
+        except asyncio.CancelledError:
+            if not self.stopped:
+                raise
+            error = StoreClosedError("the store closed during the scrub")   # its waiters get the pass's figures
         seconds = time.perf_counter() - t0
         self.passes += 1
         self.seconds += seconds
@@ -113,14 +119,22 @@ class Scrubber:
             for ev in set(store.events.all(ready)):         # a page written behind: its write first
                 if ev is not None:
                     await ended(ev, store.loop)             # (a failed one's slot: verify names it bad)
-            job = store.loop.run_in_executor(None, store.disk.verify, g, slots)
-            try:
-                found = await asyncio.shield(job)
-            except asyncio.CancelledError:
-                await asyncio.gather(job, return_exceptions=True)   # the read ends before the claim does
-                if not job.cancelled() and job.exception() is None:
-                    bad = [s for _, s, _ in job.result()]           # what it found is dropped all the same
-                raise
+            for again in (False, True):
+                job = store.loop.run_in_executor(None, store.disk.verify, g, slots)
+                try:
+                    found = await asyncio.shield(job)
+                    break
+                except asyncio.CancelledError:
+                    await asyncio.gather(job, return_exceptions=True)   # the read ends before the claim does
+                    if not job.cancelled() and job.exception() is None:
+                        bad = [s for _, s, _ in job.result()]       # what it found is dropped all the same
+                    raise
+                except UsageError:
+                    # a slot neither holding its page nor forgotten yet: a write behind that never
+                    # ran (a wait before it failed) has its forget queued on the write stream
+                    if again:
+                        raise
+                    await ended(store.engine.io_write.record(), store.loop)
             bad = [s for _, s, _ in found]
         finally:
             moves.unclaim(pages, None)

@@ -324,9 +324,31 @@ class Sequence:
         store.check_open()
         if n == 0:
             return 0
-        slots = await store.moves.obtain_many(GPU, _extend_counts(store, n))
+        counts = _extend_counts(store, n)
+        try:
+            slots = await store.moves.obtain_many(GPU, counts)
+        except OutOfPagesError:
+            if big := self._too_large_with_held(counts):
+                raise big from None         # never fits: not the back-pressure a retry waits out
+            raise
         await wait_events(store.events.all(store.core.place_extension(self.sid, n, slots)))
         return n
+
+    def _too_large_with_held(self, counts: dict[int, int]) -> RequestTooLargeError | None:
+        """The error for an extend whose new pages (``counts``, per GPU group) and the pages this
+        sequence holds locked outnumber a group's slots, or None. (Only on a refusal: a pass over
+        the sequence's pages.)"""
+        store = self.store
+        held = dict.fromkeys(counts, 0)
+        for lc in range(len(store.lcs)):
+            g = store.group_of[GPU][lc]
+            if g in held:
+                held[g] += int((np.asarray(store.core.locked_slots(self.sid, lc)) >= 0).sum())
+        for g, n in counts.items():
+            if n + held[g] > (cap := store.core.capacity(GPU, g)):
+                return RequestTooLargeError(f"extending needs {n} new pages of GPU pool group {g} beside the "
+                                            f"{held[g]} this sequence holds, and the group holds {cap}")
+        return None
 
     def _undo_extend(self, n: int) -> None:
         self.store.core.undo_extend(self.sid, n)

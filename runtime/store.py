@@ -119,7 +119,6 @@ class Store:
                                if c is not None and c.write == "through"}
         self._recounted = [0, 0, 0, 0]     # lookups and hits of first opens that a remote import re-matched
         self._recounted_pages: list[list[int]] = [[], [], []]     # and their hit_pages, [tier][group]
-        self._first_open_pages: tuple = ([], [])                  # hit_pages around the last core.open
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -395,13 +394,13 @@ class Store:
             else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
                 keys = await self.loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
             self.check_open()                   # the store may have closed meanwhile
-            sid, matched, by_tier = self._open_in_core(keys, priority)
+            sid, matched, by_tier, counted = self._open_in_core(keys, priority)
             self._keep_tokens(sid, token_arr, len(keys))
         else:
             token_arr = None
             keys = list(block_keys) if isinstance(block_keys, (list, tuple)) else check_block_keys(block_keys)
             try:
-                sid, matched, by_tier = self._open_in_core(keys, priority)     # checks ints and bytes in C++
+                sid, matched, by_tier, counted = self._open_in_core(keys, priority)     # checks ints and bytes in C++
                 failed = False
             except (ValueError, TypeError):
                 failed = True
@@ -411,7 +410,7 @@ class Store:
                 # its UsageError does not carry the core's message as its context
                 keys = check_block_keys(block_keys)
                 try:
-                    sid, matched, by_tier = self._open_in_core(keys, priority)
+                    sid, matched, by_tier, counted = self._open_in_core(keys, priority)
                 except (ValueError, TypeError) as exc:
                     raise UsageError(str(exc)) from None
         remote = None
@@ -421,7 +420,7 @@ class Store:
                 remote, again = await self._remote_import(sid, keys, matched)
                 if again:                       # matched again, over the imported blocks (or another's)
                     core.close(sid)
-                    before, after = self._first_open_pages
+                    before, after = counted
                     for t, (b, a) in enumerate(zip(before, after)):
                         row = self._recounted_pages[t] = self._recounted_pages[t] or [0] * len(a)
                         for g in range(len(a)):
@@ -435,14 +434,14 @@ class Store:
         return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
 
     def _open_in_core(self, keys: list, priority: int) -> tuple:
-        """``core.open``; with a remote tier it also keeps the pages it counted per (tier, group)
-        (``_first_open_pages``), which a re-match after an import takes back out of ``hit_pages``."""
+        """``core.open``'s (sid, matched, by_tier) and, with a remote tier, ``hit_pages`` just
+        before and after it: the pages this open counted, which a re-match after an import takes
+        back out (None without a remote tier)."""
         if self.remote is None:
-            return self.core.open(keys, priority)
+            return (*self.core.open(keys, priority), None)
         before = self.core.hit_pages()
-        out = self.core.open(keys, priority)
-        self._first_open_pages = (before, self.core.hit_pages())
-        return out
+        sid, matched, by_tier = self.core.open(keys, priority)
+        return sid, matched, by_tier, (before, self.core.hit_pages())
 
     def _keep_tokens(self, sid: int, token_arr: np.ndarray | None, n_keys: int) -> None:
         """KV events: the blocks' tokens, for their BlockStored (a sequence opened with tokens)."""

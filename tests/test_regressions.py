@@ -132,6 +132,23 @@ async def test_a_request_larger_than_the_gpu_pool_is_one_error_type_for_acquire_
         assert await check_seq(store, 1, 8) == 8                # the pages stayed, intact
 
 
+async def test_an_extend_past_the_gpu_beside_the_pages_it_holds_is_too_large():
+    """New-user find: only the new pages were compared with the group's size; with the pages the
+    sequence already holds locked, the extend can never fit either."""
+    from runtime import RequestTooLargeError
+    async with Store.open(config(gpu=16)) as store:
+        await fill(store, toks(1, 6))
+        seq = await store.open_sequence(tokens=toks(1, 14))
+        await seq.acquire()
+        await seq.extend(2)                                     # 8 held
+        with pytest.raises(RequestTooLargeError, match="10 new pages of GPU pool group 0 beside the 8"):
+            await seq.extend(10)
+        assert seq.num_blocks == 8
+        await seq.extend(6)                                     # 16: fits exactly
+        await seq.close()
+        store.check_consistency()
+
+
 async def test_release_unlocks_only_what_this_sequence_locked():
     async with Store.open(config(gpu=24, host=32, layers=two_life_cycles())) as store:
         await fill(store, toks(1, 6))

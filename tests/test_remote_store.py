@@ -3,6 +3,7 @@ are hits, bit-exact, for another store (another process too) with the same
 layout and salt, and never for any other; a dead server is a miss."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -499,3 +500,22 @@ async def test_hit_pages_count_a_rematch_after_an_import_once(server):
         pages = sum(g["hit_pages"] for t in st["tiers"].values() for g in t["groups"])
         assert st["hits"] == {"gpu": 2, "host": 0, "disk": 0, "remote": 6}
         assert pages == 8                                   # one page a block, each counted once
+
+
+async def test_hit_pages_of_concurrent_rematches(server):
+    """Second review find: the pages an open counted were kept in one slot of the store, which a
+    concurrent open overwrote during the import: re-matches took back another's pages (hit_pages
+    went negative, and so did the Prometheus counter)."""
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    async with Store.open(remote_cfg(server.url)) as b:
+        await fill(b, prompt(1, blocks=4))
+
+        def pages() -> list[int]:
+            return [g["hit_pages"] for t in b.stats()["tiers"].values() for g in t["groups"]]
+        before = sum(pages())
+        seqs = await asyncio.gather(*[b.open_sequence(tokens=prompt(i)) for i in (2, 3, 4, 5, 1)])
+        assert [s.matched_blocks for s in seqs] == [6] * 5
+        for s in seqs:
+            await s.close()
+        assert min(pages()) >= 0 and sum(pages()) - before == 30    # one page a block, once each

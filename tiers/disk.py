@@ -684,7 +684,7 @@ class DiskTier:
             self.discarded.extend((g.index, s, reason) for s in listed)
             self._stats["discarded"] += len(listed)
         # a failed write's caller reports the failure (a full disk once a minute): no line per write here
-        log.log(logging.WARNING if live else logging.DEBUG, "disk tier: group %d: discarded %d page(s) %s: %s",
+        log.log(logging.WARNING if live else logging.DEBUG, "disk tier: group %d: discarded %d page(s) in slot(s) %s: %s",
                 g.index, len(listed), listed if len(listed) <= 16 else f"{listed[:16]}...", reason)
 
     def _unlive(self, g: DiskGroup, slots: np.ndarray) -> None:
