@@ -149,22 +149,29 @@ async def test_requests_and_spills_beside_a_scrub_stay_exact(tmp_path, monkeypat
         store.check_consistency()
 
 
+async def scrub_held_in_its_read(store, monkeypatch) -> tuple[asyncio.Future, threading.Event]:
+    """A scrub started and held in its first piece's read (its pages claimed) until the returned
+    event is set."""
+    gate, entered = threading.Event(), threading.Event()
+    real = store.disk.verify
+
+    def held(g, slots):
+        entered.set()
+        gate.wait(10)
+        return real(g, slots)
+    monkeypatch.setattr(store.disk, "verify", held)
+    scrub = asyncio.ensure_future(store.scrub())
+    assert await asyncio.to_thread(entered.wait, 10)
+    return scrub, gate
+
+
 async def test_a_request_waits_for_the_piece_the_scrub_holds(tmp_path, monkeypatch):
     """The piece's pages are claimed while a thread checks them: an acquire of one waits, then
     finds the damaged page gone (a recompute) instead of reading it itself."""
     await persisted(tmp_path)
     async with Store.open(disk_cfg(tmp_path)) as store:
         damage(store, await disk_slot(store, 2, 3))
-        gate, entered = threading.Event(), threading.Event()
-        real = store.disk.verify
-
-        def held(g, slots):
-            entered.set()
-            gate.wait(10)
-            return real(g, slots)
-        monkeypatch.setattr(store.disk, "verify", held)
-        scrub = asyncio.ensure_future(store.scrub())
-        assert await asyncio.to_thread(entered.wait, 10)
+        scrub, gate = await scrub_held_in_its_read(store, monkeypatch)
         seq = await store.open_sequence(tokens=toks(2, 4))
         acquire = asyncio.ensure_future(seq.acquire())
         await asyncio.sleep(0.05)
@@ -187,16 +194,7 @@ async def test_an_eviction_never_takes_the_pages_a_scrub_holds(tmp_path, monkeyp
     cfg.disk.slots = 24                                     # the disk full of them
     async with Store.open(cfg) as store:
         core = store.core
-        gate, entered = threading.Event(), threading.Event()
-        real = store.disk.verify
-
-        def held(g, slots):
-            entered.set()
-            gate.wait(10)
-            return real(g, slots)
-        monkeypatch.setattr(store.disk, "verify", held)
-        scrub = asyncio.ensure_future(store.scrub())
-        assert await asyncio.to_thread(entered.wait, 10)
+        scrub, gate = await scrub_held_in_its_read(store, monkeypatch)
         held_pages = core.tier_pages(DISK, 0).tolist()
         assert len(held_pages) == 24 and core.queue_len(DISK, 0) == 0
         store.check_consistency()                           # claimed pages are off the queue
@@ -228,6 +226,18 @@ async def test_closing_during_a_scrub_ends_it_and_keeps_every_page(tmp_path, mon
             assert await check_seq(store, base) == 4
 
 
+async def nothing_left_unwritten(store, got: dict) -> None:
+    """After a scrub that met failed writes behind: it ended well and dropped their pages, no
+    indexed disk page names a slot without a page, and the chains still read back exact."""
+    assert got["error"] is None and got["discarded_pages"] > 0, got
+    await store.drain()
+    store.check_consistency()
+    live = set(store.disk.live_slots(0))
+    assert all(store.core.page_info(p)["slot"] in live for p in store.core.tier_pages(DISK, 0).tolist())
+    for base in (1, 2, 3, 4, 9):
+        await check_seq(store, base)
+
+
 async def test_a_scrub_drops_what_a_failed_write_behind_left(tmp_path):
     """Review find: a page whose write behind failed while the scrub held it (so the store's
     failure handler left it to the holder) stayed in the index, and the error ended the pass."""
@@ -253,13 +263,7 @@ async def test_a_scrub_drops_what_a_failed_write_behind_left(tmp_path):
         gate.set()
         got = await scrub
         store.disk.write = real
-        assert got["error"] is None and got["discarded_pages"] > 0
-        await store.drain()
-        store.check_consistency()
-        live = set(store.disk.live_slots(0))
-        assert all(store.core.page_info(p)["slot"] in live for p in store.core.tier_pages(DISK, 0).tolist())
-        for base in (1, 2, 3, 4, 9):
-            await check_seq(store, base)
+        await nothing_left_unwritten(store, got)
 
 
 async def test_a_write_behind_that_never_ran_is_a_bad_page_too(tmp_path):
@@ -291,13 +295,7 @@ async def test_a_write_behind_that_never_ran_is_a_bad_page_too(tmp_path):
         await asyncio.sleep(0.05)
         gate.set()
         got = await scrub
-        assert got["error"] is None and got["discarded_pages"] > 0, got
-        await store.drain()
-        store.check_consistency()
-        live = set(store.disk.live_slots(0))
-        assert all(store.core.page_info(p)["slot"] in live for p in store.core.tier_pages(DISK, 0).tolist())
-        for base in (1, 2, 3, 4, 9):
-            await check_seq(store, base)
+        await nothing_left_unwritten(store, got)
 
 
 async def test_no_scrub_starts_once_the_store_closes(tmp_path):
