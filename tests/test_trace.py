@@ -6,6 +6,7 @@ import contextlib
 import gc
 import gzip
 import json
+import os
 import subprocess
 import sys
 import types
@@ -262,7 +263,10 @@ async def test_a_large_trace_streams_from_its_first_chunk_without_stalling_the_l
     assert n == 200_000 and last.hash_ids == (199_999 % 1000, 199_999 % 997, 199_999)
     assert sum(read_sizes) == size and max(read_sizes) <= trace.CHUNK_BYTES
     p = lag.percentiles_ms()
-    assert p["count"] > 10 and p["max"] < 50, p
+    # under scripts/sanitize.sh (its own core: KVTIER_CORE_LIB) every allocation goes through
+    # ASan, and with other jobs on the 2 cores the gzip case passed 50 ms twice; never otherwise
+    bound = 200 if os.environ.get("KVTIER_CORE_LIB") else 50
+    assert p["count"] > 10 and p["max"] < bound, p
 
 
 @pytest.mark.parametrize("kind", ["plain", "gzip"])
