@@ -99,7 +99,8 @@ class Scrubber:
         self.passes += 1
         self.seconds += seconds
         if discarded:
-            log.warning("disk scrub: %d of %d page(s) failed their checksum and were dropped", discarded, checked)
+            log.warning("disk scrub: %d of %d page(s) were bad (damaged, or their write failed) and were dropped",
+                        discarded, checked)
         elif error is None:
             log.info("disk scrub: %d page(s) checked in %.1f s, none bad", checked, seconds)
         return {"checked_pages": checked, "discarded_pages": discarded, "seconds": round(seconds, 3),

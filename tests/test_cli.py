@@ -26,6 +26,7 @@ def test_stress_with_faults_and_restarts():
     assert out["corrupt"] == 0 and out["lost"] == 0 and out["leaked_slots"] == 0
     assert out["verified_pages"] > 500 and out["recovered"] > 0
     assert out["faults_injected"] > 0
+    assert out["scrub"]["passes"] > 0 and out["scrub"]["checked_pages"] > 0      # scrubs beside the requests
 
 
 def test_groups_json_shows_sink_only_sharing_required_pools():

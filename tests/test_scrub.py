@@ -75,7 +75,7 @@ async def test_a_scrub_drops_the_damaged_pages_and_keeps_the_rest_exact(tmp_path
         with caplog.at_level(logging.WARNING, logger="kvtier"):
             got = await store.scrub()
         assert got["checked_pages"] == 24 and got["discarded_pages"] == 3 and got["error"] is None
-        assert "3 of 24 page(s) failed their checksum" in caplog.text
+        assert "3 of 24 page(s) were bad" in caplog.text
         st = store.stats()
         assert st["discarded_pages"] == 3 and st["disk"]["verified_pages"] == 24
         assert st["scrub"] == {"running": False, "passes": 1, "checked_pages": 24, "discarded_pages": 3,

@@ -1,8 +1,9 @@
 """``kvtier stress``: random concurrent sequences with shared prefixes under
 memory pressure in every tier, random priorities, suspends and resumes,
-store restarts on the same disk directory and, with ``faults``, injected I/O
-errors and cancellations. Every page that comes back is checked against the
-bytes written when it was computed.
+store restarts on the same disk directory, disk scrubs running beside the
+requests and, with ``faults``, injected I/O errors and cancellations. Every
+page that comes back is checked against the bytes written when it was
+computed.
 
 Reported: ``corrupt`` (a page served with wrong bytes), ``lost`` (a page the
 disk tier held durably at a restart that the new store does not serve, other
@@ -125,6 +126,7 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
     from .cli import progress_bar
     run = _Run(seed, faults)
     lost = leaked = discarded = recovered = orphaned = 0
+    scrub = collections.Counter()
     copies = {"host": collections.Counter(), "disk": collections.Counter()}    # clean copies, all phases
     phases = restarts + 1
     with tempfile.TemporaryDirectory(prefix="kvtier-stress-") as tmp, \
@@ -150,7 +152,22 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
                     for _ in queue:
                         await run.op(store, writer)
                         advance(1)
-                await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+                async def scrubs() -> None:         # passes over the disk while the requests run
+                    while not done.is_set():
+                        got = await store.scrub()
+                        scrub["passes"] += 1
+                        scrub["checked_pages"] += got["checked_pages"]
+                        scrub["discarded_pages"] += got["discarded_pages"]
+                        scrub["errors"] += got["error"] is not None
+                        await asyncio.sleep(0.01)
+                done = asyncio.Event()
+                scrubbing = asyncio.ensure_future(scrubs())
+                try:
+                    await asyncio.gather(*(worker() for _ in range(concurrency)))
+                finally:
+                    done.set()
+                    await scrubbing
                 store.engine.fault = None
                 await store.drain()
                 st = store.stats()
@@ -164,7 +181,8 @@ async def run_stress(ops: int = 2000, seed: int = 0, concurrency: int = 8, fault
     return {"ops": run.counts["ops"], "verified_pages": run.counts["verified_pages"],
             "corrupt": run.counts["corrupt"], "lost": lost, "faults_injected": run.counts["injected"], "leaked_slots": leaked,
             "discarded": discarded, "recovered": recovered, "orphaned": orphaned, "restarts": restarts, "errors_by_type": dict(run.errors),
-            "clean_copies": {t: dict(c) for t, c in copies.items() if c["copied_pages"] or c["kept_on_promotion"]}}
+            "clean_copies": {t: dict(c) for t, c in copies.items() if c["copied_pages"] or c["kept_on_promotion"]},
+            "scrub": dict(scrub)}
 
 
 def _inject(store: Store, rng: random.Random, counts: collections.Counter) -> None:
