@@ -328,27 +328,21 @@ class Sequence:
         try:
             slots = await store.moves.obtain_many(GPU, counts)
         except OutOfPagesError:
-            if big := self._too_large_with_held(counts):
+            if big := _too_large(store, counts.items(), "extending", "new pages", self._held_per_group()):
                 raise big from None         # never fits: not the back-pressure a retry waits out
             raise
         await wait_events(store.events.all(store.core.place_extension(self.sid, n, slots)))
         return n
 
-    def _too_large_with_held(self, counts: dict[int, int]) -> RequestTooLargeError | None:
-        """The error for an extend whose new pages (``counts``, per GPU group) and the pages this
-        sequence holds locked outnumber a group's slots, or None. (Only on a refusal: a pass over
-        the sequence's pages.)"""
+    def _held_per_group(self) -> dict[int, int]:
+        """The pages this sequence holds locked, per GPU group (a pass over its pages: for a
+        refusal only)."""
         store = self.store
-        held = dict.fromkeys(counts, 0)
+        held: dict[int, int] = {}
         for lc in range(len(store.lcs)):
             g = store.group_of[GPU][lc]
-            if g in held:
-                held[g] += int((np.asarray(store.core.locked_slots(self.sid, lc)) >= 0).sum())
-        for g, n in counts.items():
-            if n + held[g] > (cap := store.core.capacity(GPU, g)):
-                return RequestTooLargeError(f"extending needs {n} new pages of GPU pool group {g} beside the "
-                                            f"{held[g]} this sequence holds, and the group holds {cap}")
-        return None
+            held[g] = held.get(g, 0) + int((np.asarray(store.core.locked_slots(self.sid, lc)) >= 0).sum())
+        return held
 
     def _undo_extend(self, n: int) -> None:
         self.store.core.undo_extend(self.sid, n)
@@ -384,7 +378,8 @@ class Sequence:
                         slots = await moves.obtain_many(GPU, core.group_counts(cold, GPU))
                     except BaseException as exc:
                         moves.unclaim(cold, exc)
-                        if isinstance(exc, OutOfPagesError) and (big := _too_large(store, pages)):
+                        if isinstance(exc, OutOfPagesError) and \
+                                (big := _too_large(store, core.group_counts(pages, GPU), "acquiring")):
                             raise big from None     # never fits: not the back-pressure a retry waits out
                         raise
                     await moves.move(cold, GPU, slots, handoff=False)
@@ -436,9 +431,8 @@ class Sequence:
         for lc in holes[1::2]:
             g = gpu_group[lc]
             counts[g] = counts.get(g, 0) + 1
-        for g, n in counts.items():         # the fresh pages alone outnumber a group's slots
-            if n > (cap := store.core.capacity(GPU, g)):
-                raise RequestTooLargeError(f"acquiring needs {n} new pages of GPU pool group {g}, which holds {cap}")
+        if big := _too_large(store, counts.items(), "acquiring", "new pages"):  # the fresh pages alone
+            raise big
         slots = await store.moves.obtain_many(GPU, counts)
         await wait_events(store.events.all(store.core.fill_holes(self.sid, holes, slots)))
 
@@ -489,20 +483,20 @@ def _extend_counts(store: "Store", n: int) -> dict[int, int]:
     """Pages per GPU group that ``n`` more blocks take (RequestTooLargeError where a group is
     too small)."""
     counts = {g: n * k for g, k in store.lcs_per_gpu_group.items()}
-    for g, c in counts.items():
-        cap = store.core.capacity(GPU, g)
-        if c > cap:
-            raise RequestTooLargeError(f"extending by {n} blocks needs {c} pages of GPU pool group {g}, "
-                                       f"which holds {cap}")
+    if big := _too_large(store, counts.items(), f"extending by {n} blocks"):
+        raise big
     return counts
 
 
-def _too_large(store: "Store", pages: Pages) -> RequestTooLargeError | None:
-    """The error for an acquire whose ``pages`` outnumber a GPU pool group's slots, or None."""
-    for g, n in store.core.group_counts(pages, GPU):
-        cap = store.core.capacity(GPU, g)
-        if n > cap:
-            return RequestTooLargeError(f"acquiring needs {n} pages of GPU pool group {g}, which holds {cap}")
+def _too_large(store: "Store", counts, doing: str, what: str = "pages",
+               held: dict[int, int] | None = None) -> RequestTooLargeError | None:
+    """The error for a request (``doing``) whose pages, (GPU group, count) pairs ``counts``, and
+    the ones the sequence ``held`` there outnumber a GPU pool group's slots; None where each fits."""
+    for g, n in counts:
+        have = held.get(g, 0) if held else 0
+        if n + have > (cap := store.core.capacity(GPU, g)):
+            tail = f" beside the {have} this sequence holds, and the group holds" if have else ", which holds"
+            return RequestTooLargeError(f"{doing} needs {n} {what} of GPU pool group {g}{tail} {cap}")
     return None
 
 

@@ -607,11 +607,11 @@ class DiskTier:
         if g.broken is not None:
             raise TierIOError(errno.EIO, f"disk tier group {g.index} is unusable: {g.broken}; reopen the tier")
 
-    def _check_live_locked(self, g: DiskGroup, slots: np.ndarray) -> None:
+    def _check_live_locked(self, g: DiskGroup, slots: np.ndarray, forgotten_ok: bool = False) -> np.ndarray:
         """Under g.lock: the tier is open, the group usable, and every slot holds a page. A slot
         whose page was discarded (found bad, or its write failed: ``forget``) is a
-        ``CorruptPageError`` naming it, as the read that found it bad was; any other empty slot
-        a ``UsageError``."""
+        ``CorruptPageError`` naming it, as the read that found it bad was, or with
+        ``forgotten_ok`` returned among such slots; any other empty slot a ``UsageError``."""
         if self._closed:
             raise StoreClosedError("disk tier is closed")
         self._usable(g)
@@ -619,9 +619,11 @@ class DiskTier:
         missing = slots[~g.live[slots]]
         if len(missing):
             gone = missing[g.forgotten[missing]]
-            if len(gone) == len(missing):
+            if len(gone) < len(missing):
+                raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
+            if not forgotten_ok:
                 raise _corrupt(g, gone.tolist(), "discarded")
-            raise UsageError(f"disk group {g.index} has no page in slot(s) {missing[:16].tolist()}")
+        return missing
 
     @staticmethod
     def _check_slots(g: DiskGroup, slots: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -1397,16 +1399,9 @@ class DiskTier:
             return []
         sl = np.sort(sl)
         with g.lock:
-            if self._closed:
-                raise StoreClosedError("disk tier is closed")
-            self._usable(g)
-            g.reserve(int(sl[-1]) + 1)
-            live = g.live[sl]
-            gone = sl[~live & g.forgotten[sl]]
-            if len(gone) + int(live.sum()) < len(sl):
-                raise UsageError(f"disk group {g.index} has no page in slot(s) {sl[~live][:16].tolist()}")
+            gone = self._check_live_locked(g, sl, forgotten_ok=True)
             found = [(g.index, int(s), "discarded") for s in gone.tolist()]
-            part = sl[live]
+            part = sl[g.live[sl]]
             if len(part):
                 found += self._verify_locked(g, part, np.empty((len(part), g.slot_bytes), dtype=np.uint8))
             return found
