@@ -5,11 +5,12 @@ verifies lazily, ``tiers/disk.py``): a scrub changes what is matched and reporte
 bytes are served.
 
 A pass walks each disk group's slots a piece (``PIECE_BYTES``) at a time. The core claims the
-piece's pages (``claim_resident``: clean copies are left to the read that finds them), so they
-neither move nor go while a worker thread reads and checks them under the group's lock
-(``DiskTier.verify``). A page written behind is checked once its write has ended. The bad pages
-are dropped as a read that found them drops them (their prefix-critical subtrees with them);
-the rest are unclaimed. A request that needs a claimed page waits for its piece, about a
+piece's pages (``claim_resident``, clean copies too), so they neither move nor go while a
+worker thread reads and checks them under the group's lock (``DiskTier.verify``). A page
+written behind is checked once its write has ended. The bad pages are dropped as a read that
+found them drops them (their prefix-critical subtrees with them); a bad clean copy is only
+freed, its primary (on the GPU or host) stays, so a later demotion writes the page's bytes
+again instead of taking over the bad ones. The rest are unclaimed. A request that needs a claimed page waits for its piece, about a
 millisecond. ``rate`` caps the bytes read per second, so the scrub leaves the disk to requests.
 """
 from __future__ import annotations

@@ -111,6 +111,44 @@ async def test_routers_see_the_scrub_drop_what_it_found_bad(tmp_path):
         assert len({h for h, medium, _ in index.held if medium == "DISK"}) == 23
 
 
+async def test_a_bad_clean_copy_is_freed_and_its_primary_stays(tmp_path):
+    """Write-through: a damaged disk copy leaves (routers see the disk lose the block), its
+    primary stays on the GPU, and a later demotion writes the page again instead of taking
+    over the bad bytes (without the scrub it was read back bad and dropped)."""
+    from runtime import EventsConfig
+    from test_kv_events import RouterIndex
+    cfg = disk_cfg(tmp_path, write="through")
+    cfg.events = EventsConfig()
+    async with Store.open(cfg) as store:
+        index = RouterIndex()
+        for base in (1, 2):
+            await fill(store, toks(base, 4))
+        await store.drain()
+        copies = [pid for pid in store.core.tier_pages(DISK, 0).tolist() if store.core.page_info(pid)["copy"]]
+        assert len(copies) == 8                                       # both chains, still on the GPU
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        key = seq.keys[3]
+        await seq.close()
+        bad = next(pid for pid in copies if store.core.page_info(pid)["key"] == key)
+        damage(store, store.core.page_info(bad)["slot"])
+        index.feed(store)
+        got = await store.scrub()
+        assert got["checked_pages"] == 8 and got["discarded_pages"] == 1
+        store.check_consistency()
+        index.feed(store)
+        assert index.held == store.kv_events.holdings()
+        assert sum(medium == "DISK" for _, medium, _ in index.held) == 7
+        seq = await store.open_sequence(tokens=toks(1, 4))
+        assert seq.matched_by_tier["gpu"] == 4                         # the primaries stay
+        await seq.close()
+        for base in range(3, 7):                                      # push chains 1 and 2 to the disk
+            await fill(store, toks(base, 4))
+        assert await check_seq(store, 1) == 4
+        assert await check_seq(store, 2) == 4
+        assert store.stats()["corrupt_pages"] == 0
+        store.check_consistency()
+
+
 async def test_scrub_on_open_runs_in_the_background(tmp_path):
     await persisted(tmp_path)
     async with Store.open(disk_cfg(tmp_path)) as store:

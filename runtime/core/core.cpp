@@ -1441,7 +1441,14 @@ Ids Core::discard_corrupt(const Ids& batch, const Ids& bad_slots) {
 int32_t Core::discard_page(int32_t id) {
   Page& p = pt_[id];   // not counted in counters_.discarded: the disk tier counts the pages it found bad
   int32_t depth = p.block >= 0 ? index_.blocks[p.block].depth : -1;
-  if (p.published) drop(id); else free_page(id);
+  if (p.copy) {                        // a bad clean copy: its primary stays, the tier no longer holds the block
+    unlink_copy(id);
+    free_page(id);
+  } else if (p.published) {
+    drop(id);
+  } else {
+    free_page(id);
+  }
   return depth;
 }
 
@@ -1714,7 +1721,7 @@ Ids Core::claim_resident(int tier, int group, int32_t lo, int32_t hi, int32_t& c
     if (id < 0) continue;
     Page& p = pt_[id];
     assert(p.tier == tier && p.group == group && p.slot == s);
-    if (p.dead || p.claim || p.copy) continue;
+    if (p.dead || p.claim) continue;
     if (!claim_out) claim_out = next_claim();
     p.claim = claim_out;
     unqueue(id);                                // claimed pages are no eviction's victims (unclaim requeues)

@@ -226,7 +226,8 @@ class Core {
   // source rows were copied out before it landed (a spill written behind from a staging copy).
   Settled land(const Ids& batch, int dst_tier, int dst_group, const Ids& dst_slots, int32_t event, bool handoff,
                int32_t fence = -1);
-  // Disk pages found corrupt (at these source slots) are dropped; returns their depths.
+  // Disk pages found corrupt (at these source slots) are dropped, clean copies among them only
+  // freed (their primaries stay); returns their depths.
   Ids discard_corrupt(const Ids& batch, const Ids& bad_slots);
   // A spill that landed before its write, and the write failed (its slots hold nothing): the
   // pages of `batch` still on the disk with `event` as their ready event and not claimed are
@@ -291,7 +292,7 @@ class Core {
   // -- tools and tests --------------------------------------------------------------
   Ids tier_pages(int tier, int group) const;      // the pages owning slots of (tier, group), by slot
   // For a scrub: claims, one claim for all (its id in claim_out, 0 when none), the pages owning
-  // slots [lo, hi) of (tier, group) that are live, unclaimed and not clean copies, by slot.
+  // slots [lo, hi) of (tier, group) that are live and unclaimed, clean copies too, by slot.
   // Claimed (and off their queue), they neither move nor go until unclaim: their bytes hold still
   // while read.
   Ids claim_resident(int tier, int group, int32_t lo, int32_t hi, int32_t& claim_out);
@@ -369,7 +370,8 @@ class Core {
   int32_t new_page(int32_t block, int lc, int tier, int group, int32_t slot, int priority);
   void free_page(int32_t id, bool release_slot = true);
   void release_slot(int tier, int group, int32_t slot, int32_t fence);
-  int32_t discard_page(int32_t id);            // drop (published) or free a disk page never served; its depth
+  // Drop (published), free, or (a clean copy) unlink and free a disk page never served; its depth.
+  int32_t discard_page(int32_t id);
   void drop(int32_t id, bool release_slot = true);
   void drop_subtree(int32_t root);
   void unindex(int32_t b);

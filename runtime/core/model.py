@@ -1897,10 +1897,14 @@ class ModelCore:
                 and p.claim == 0]
 
     def _discard_page(self, pid: int) -> int:
-        """Drop (a published page) or free a disk page that will never be served; its depth."""
+        """Drop (a published page), free, or (a clean copy: its primary stays) unlink and free a
+        disk page that will never be served; its depth."""
         p = self.pt[pid]            # not counted in discarded: the disk tier counts the pages it found bad
         depth = self.blocks[p.block].depth if p.block >= 0 else -1
-        if p.published:
+        if p.copy:
+            self._unlink_copy(pid)
+            self._free_page(pid)
+        elif p.published:
             self._drop(pid)
         else:
             self._free_page(pid)
@@ -2174,7 +2178,7 @@ class ModelCore:
 
     def claim_resident(self, tier: int, group: int, lo: int, hi: int) -> tuple[int, Pages]:
         """For a scrub: claims, one claim for all, the pages owning slots [lo, hi) of (tier,
-        group) that are live, unclaimed and not clean copies, by slot: (the claim id, 0 when
+        group) that are live and unclaimed, clean copies too, by slot: (the claim id, 0 when
         none; the pages)."""
         self._check_tier_group(tier, group)
         own = self.owners[tier][group]
@@ -2184,7 +2188,7 @@ class ModelCore:
             if pid < 0:
                 continue
             p = self.pt[pid]
-            if p.dead or p.claim or p.copy:
+            if p.dead or p.claim:
                 continue
             if not claim:
                 claim = self._next_claim()
