@@ -145,8 +145,11 @@ class RemoteLink:
     # -- writes -----------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` of write-through for a batch about to leave the GPU; False (the
-        batch is skipped, counted) past ``max_inflight_bytes``: write-through never waits."""
-        if self.tier is None or self.inflight + nbytes > self.settings.max_inflight_bytes:
+        batch is skipped, counted) past ``max_inflight_bytes``: write-through never waits. A batch
+        larger than the bound goes when nothing else is in flight (alone, as the backend's put
+        sends a value larger than its bound): with pages of megabytes one demotion batch can
+        pass the default bound, and refusing it even then skipped every long prompt."""
+        if self.tier is None or (self.inflight and self.inflight + nbytes > self.settings.max_inflight_bytes):
             return False
         self.inflight += nbytes
         return True

@@ -486,6 +486,21 @@ async def test_a_tee_whose_records_fail_gives_its_reservation_back(server, monke
         assert await check_hits(a, 3) == 0                  # all local, and all exact
 
 
+async def test_a_batch_larger_than_the_inflight_bound_goes_when_none_is_in_flight(server):
+    """Review find: write-through skipped every demotion batch larger than max_inflight_bytes,
+    even with nothing in flight, so with pages of megabytes no long prompt ever reached the
+    server. Here the bound is one page (512 bytes) and the batches are of six pages."""
+    def cfg():
+        return config(gpu=8, host=32, remote=RemoteSettings(url=server.url, namespace="t", model="m",
+                                                            op_timeout=2.0, max_inflight_bytes=512))
+    async with Store.open(cfg()) as a:
+        await write_some(a, n=1)
+        st = a.stats()["remote"]
+        assert st["written_pages"] >= 6 and st["inflight_bytes"] == 0, st
+    async with Store.open(cfg()) as b:
+        assert await check_hits(b, 1) == 6
+
+
 async def test_hit_pages_count_a_rematch_after_an_import_once(server):
     """Review find: an open that imports from the remote matches again, and the pages of its
     first match were counted in stats()'s per-group hit_pages twice."""
