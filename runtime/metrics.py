@@ -74,6 +74,7 @@ kvtier_remote_failures_total{kind}                        none (timeout, connect
 kvtier_remote_seconds_total{op}, _calls_total{op}         none (exists, get, put: mean latency = ratio)
 kvtier_remote_circuit{state}                              none (1 for the breaker's current state)
 kvtier_remote_imported_blocks_total                       vllm:external_prefix_cache_hits (blocks, one store)
+kvtier_remote_imported_pages_total                        none (their pages: not in kv_cache_hit_pages)
 kvtier_remote_write_skipped_pages_total                   none
 kvtier_event_loop_lag_seconds{quantile}                   none
 kvtier_event_loop_lag_samples_total                       none
@@ -223,6 +224,7 @@ class StoreCollector:
             "r_circuit": gauge(f"{p}_remote_circuit", "The remote tier's circuit breaker (1 in the current state)",
                                labels=["state"]),
             "r_imported": counter(f"{p}_remote_imported_blocks", "Blocks imported from the remote tier at open"),
+            "r_imported_pages": counter(f"{p}_remote_imported_pages", "Pages imported from the remote tier at open"),
             "r_skipped": counter(f"{p}_remote_write_skipped_pages",
                                  "Pages not written through: past max_inflight_bytes"),
             "lag": gauge(f"{p}_event_loop_lag_seconds", "Event-loop lag: p50 and p99 of the recent samples, "
@@ -352,6 +354,7 @@ class StoreCollector:
             for state in ("closed", "open", "half_open"):
                 f["r_circuit"].add_metric([state], 1 if remote.get("circuit") == state else 0)
             f["r_imported"].add_metric([], remote.get("imported_blocks", 0))
+            f["r_imported_pages"].add_metric([], remote.get("imported_pages", 0))
             f["r_skipped"].add_metric([], remote.get("skipped_pages", 0))
             yield from (f[k] for k in f if k.startswith("r_"))
 

@@ -106,7 +106,8 @@ class Batch:
     lcs: list[int]                      # life cycle per page
     deps: set                           # the pages' ready events (few distinct: one per batch that placed them)
     records: Callable[[], np.ndarray]   # their disk journal records (called on the loop, for writes to disk)
-    tee: Callable[[torch.Tensor], None] | None = None   # GPU->host: gets a copy of the landed cold rows
+    tee: Callable[[torch.Tensor], None] | None = None   # GPU->host: gets a copy of the landed cold rows ...
+    tee_rows: np.ndarray | None = None  # ... of these pages of the batch (ascending positions)
     behind: bool = False                # host->disk: the pages may land before their write (see _spill_behind)
     released: bool = False              # set by the engine: the source rows were copied out, no slot fence
     pages: object = None                # the store's handle of the pages, and the id of the ready event
@@ -430,8 +431,9 @@ class MigrationEngine:
                 else:
                     ev = await self._stage(busy, self.down, job, deps, inline=small)
                 if batch.tee is not None:       # the landed rows, copied while the claim still holds the slots
-                    await self._tee(batch, busy, lambda out: gather(dst, dst_slots, host_dev, out=out),
-                                    n_pages, cold_bytes, [ev])
+                    teed = [dst_slots[i] for i in batch.tee_rows.tolist()]
+                    await self._tee(batch, busy, lambda out: gather(dst, teed, host_dev, out=out),
+                                    len(teed), cold_bytes, [ev])
             else:
                 records = batch.records()
                 with self.staging.borrow(n_pages, cold_bytes) as buf:
@@ -443,7 +445,9 @@ class MigrationEngine:
                                       non_blocking=True)
                     await self._stage(busy, self.down, job, deps, inline=small)
                     if batch.tee is not None:   # the cold rows, copied before the staging goes back
-                        await self._tee(batch, busy, lambda out: out.copy_(buf), n_pages, cold_bytes, [])
+                        idx = torch.from_numpy(batch.tee_rows)
+                        await self._tee(batch, busy, lambda out: torch.index_select(buf, 0, idx, out=out),
+                                        len(idx), cold_bytes, [])
                     ev = await self._stage(busy, self.io_write,
                                            lambda: self.disk.write(dst_group, list(dst_slots), buf, records,
                                                                    durable=False), [])

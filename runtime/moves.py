@@ -599,18 +599,13 @@ class Moves:
         remote = self.remote
         if remote is None or remote.settings.write != "through" or job.src_tier != GPU:
             return None
-        n = len(job.src_slots)
-        nbytes = n * self.engine.cold_bytes[group]
-        if not remote.reserve(nbytes):
-            remote.skipped_pages += n
+        page = self.engine.cold_bytes[group]
+        records = self.records(batch)               # now: the claim keeps these pages as they are
+        rows = remote.send(records, page)
+        if rows is None:
             return None
-        try:
-            records = self.records(batch)           # now: the claim keeps these pages as they are
-        except BaseException:
-            remote.release(nbytes)
-            raise
-        tee = _Tee(remote, nbytes, n, records)
-        job.tee = tee.write
+        tee = _Tee(remote, len(rows) * page, len(rows), records[rows])
+        job.tee, job.tee_rows = tee.write, rows
         return tee
 
     async def _move_batch(self, batch: Pages, dst_tier: int, g: int, dst_slots: list[int],

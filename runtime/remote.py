@@ -50,6 +50,7 @@ class RemoteLink:
         self.lcs = [lc.index for lc in store.lcs if lc.reuse is not ReusePolicy.PRIVATE]
         self.inflight = 0               # bytes reserved by write-through batches, from the move to the put's end
         self.imported_blocks = 0
+        self.imported_pages = 0
         self.written_pages = 0
         self.skipped_pages = 0          # write-through past max_inflight_bytes
 
@@ -68,33 +69,34 @@ class RemoteLink:
             await self.tier.close()
 
     # -- reads ------------------------------------------------------------------------------
-    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
+    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, dict[int, int]]:
         """Import the remote run after the local match of sequence ``sid``: (blocks imported,
-        whether the sequence should be matched again: blocks may have arrived meanwhile)."""
+        whether the sequence should be matched again: blocks may have arrived meanwhile, the
+        pages imported per host group: the match again counts them as host hit pages, which the
+        store takes back out, as hits count them as remote)."""
         try:
             return await self._extend_match(sid, keys, matched)
         except (KvtierError, OSError) as exc:      # making room failed (all locked, disk full, I/O): a miss
             log.debug("remote tier: import skipped: %r", exc)
-            return 0, True
+            return 0, True, {}
 
-    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
+    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, dict[int, int]]:
         store, tier = self.store, self.tier
         n = min(len(keys) - matched, MAX_LOOKUP_BLOCKS)
         if n <= 0 or tier is None or not self.lcs or tier.circuit_state() == "open":
-            return 0, False
+            return 0, False, {}
         per = len(self.lcs)
         idents = [(bk, lc) for bk in map(block_key_bytes, keys[matched:matched + n]) for lc in self.lcs]
         have = await tier.exists(tier.page_keys(idents))
-        missing = [i for i, ok in enumerate(have) if not ok]
-        run = (missing[0] // per) if missing else n
+        run = self._run(have, matched, n)
         if run == 0 or store.closed or store.closing:
-            return 0, False
+            return 0, False, {}
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
         per_group = collections.Counter(groups)
         # at most half of each host group: the import must not evict what this request needs
         run = min([run] + [core.capacity(HOST, g) // (2 * k) for g, k in per_group.items()])
         if run <= 0:
-            return 0, False
+            return 0, False, {}
         counts = {g: run * k for g, k in per_group.items()}
         slots = await store.moves.obtain_many(HOST, counts)      # evicts (and cascades) as a promotion would
         try:
@@ -112,13 +114,33 @@ class RemoteLink:
             for g, s in slots.items():
                 core.give_back(HOST, g, s)
             raise
+        pages: dict[int, int] = {}
         for g, s in slots.items():                        # groups have their own slot numbers: per group
             mine = {by_lc[lc][i] for j, lc in enumerate(self.lcs) if groups[j] == g for i in range(imported)}
+            mine.discard(-1)                              # a page the server lacked, that the match can do without
+            pages[g] = len(mine)
             rest = [x for x in s if x not in mine]
             if rest:
                 core.give_back(HOST, g, rest)
         self.imported_blocks += imported
-        return imported, True
+        self.imported_pages += sum(pages.values())
+        return imported, True, pages
+
+    def _run(self, have: list[bool], matched: int, n: int) -> int:
+        """The blocks the server can continue the match with (``have``: its pages, block by block,
+        ``self.lcs`` within each): up to the first block that lacks a prefix-critical page or
+        every page. An OPTIONAL or window page it lacks (evicted by the server's maxmemory, or
+        expired) never limits a match: it is recomputed, as a local miss of it is."""
+        per = len(self.lcs)
+        lcs, tpb = self.store.lcs, self.store.tpb
+        for i in range(n):
+            row = have[i * per:(i + 1) * per]
+            if all(row):
+                continue
+            if not any(row) or any(not ok and lcs[lc].is_prefix_critical(matched + i, tpb)
+                                   for ok, lc in zip(row, self.lcs)):
+                return i
+        return n
 
     async def _fetch(self, idents: list, groups: list[int], slots: dict[int, list[int]]) -> list[bool]:
         """Each ident's page into its host slot (the i-th page of group g into slots[g][i], in
@@ -143,16 +165,36 @@ class RemoteLink:
         return ok
 
     # -- writes -----------------------------------------------------------------------------
-    def reserve(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` of write-through for a batch about to leave the GPU; False (the
-        batch is skipped, counted) past ``max_inflight_bytes``: write-through never waits. A batch
-        larger than the bound goes when nothing else is in flight (alone, as the backend's put
-        sends a value larger than its bound): with pages of megabytes one demotion batch can
-        pass the default bound, and refusing it even then skipped every long prompt."""
-        if self.tier is None or (self.inflight and self.inflight + nbytes > self.settings.max_inflight_bytes):
-            return False
-        self.inflight += nbytes
-        return True
+    def reserve(self, pages: int, page_bytes: int) -> int:
+        """Reserve write-through room for up to ``pages`` pages of ``page_bytes`` about to be
+        sent: how many got it (the caller skips and counts the rest, ``pick``). Write-through
+        never waits and keeps at most ``max_inflight_bytes`` in flight (a single page larger
+        than that goes when nothing else is). All or nothing, a demotion batch of pages of
+        megabytes (512 of 2 MiB: 1 GiB) never fitted the default bound."""
+        if self.tier is None or pages <= 0:
+            return 0
+        k = min(pages, (self.settings.max_inflight_bytes - self.inflight) // max(1, page_bytes))
+        if k <= 0 and not self.inflight:
+            k = 1
+        if k <= 0:
+            return 0
+        self.inflight += k * page_bytes
+        return k
+
+    def send(self, records: np.ndarray, page_bytes: int) -> np.ndarray | None:
+        """Of a batch about to be sent (its journal records), the rows that got write-through
+        room, ascending: its committed pages, the shallowest first when not all fit (a match
+        needs a prefix whole, and the server's copy of a deep block is no hit without its
+        parents). None: none got room. The uncommitted pages are never sent; the committed
+        ones left out count as skipped."""
+        committed = np.flatnonzero(records["ktag"] != TAG_ANONYMOUS)
+        k = self.reserve(len(committed), page_bytes)
+        self.skipped_pages += len(committed) - k
+        if not k:
+            return None
+        if k < len(committed):
+            committed = np.sort(committed[np.argsort(records["depth"][committed], kind="stable")[:k]])
+        return committed
 
     def release(self, nbytes: int) -> None:
         self.inflight -= nbytes
@@ -196,18 +238,19 @@ class RemoteLink:
         if src_tier not in (HOST, DISK):     # a GPU drop (no colder tier could take them): hot layout, not sent
             return
         width = store.engine.cold_bytes[group]
-        nbytes = len(src_slots) * width
-        if not self.reserve(nbytes):
-            self.skipped_pages += committed
+        rows = self.send(records, width)
+        if rows is None:
             return
+        k = len(rows)
+        nbytes, records, src_slots = k * width, records[rows], [src_slots[i] for i in rows.tolist()]
         try:
             await wait_events(store.events.all(ready))      # the last copy into them has landed
-            out = torch.empty((len(src_slots), width), dtype=torch.uint8)
+            out = torch.empty((k, width), dtype=torch.uint8)
             if src_tier == HOST:
                 slab = store.slabs[HOST][group].tensor.numpy()
                 await asyncio.to_thread(copy_rows, slab, np.asarray(src_slots, dtype=np.int64), out.numpy(), None)
             else:
-                await asyncio.to_thread(store.disk.read, group, list(src_slots), out)
+                await asyncio.to_thread(store.disk.read, group, src_slots, out)
         except BaseException as exc:   # a corrupt or unreadable page is just not written; a cancel goes on
             self.release(nbytes)
             if not isinstance(exc, Exception):
@@ -218,6 +261,7 @@ class RemoteLink:
 
     def stats(self) -> dict:
         out = dict(self.tier.stats()) if self.tier is not None else {}
-        out.update(imported_blocks=self.imported_blocks, written_pages=self.written_pages,
+        out.update(imported_blocks=self.imported_blocks, imported_pages=self.imported_pages,
+                   written_pages=self.written_pages,
                    skipped_pages=self.skipped_pages, inflight_bytes=self.inflight)
         return out

@@ -393,7 +393,7 @@ class Store:
                 keys = hash_blocks(token_arr, self.tpb, self.cfg.hash_salt)
             else:                           # a long prompt hashes on a worker (the hashing releases the GIL)
                 keys = await self.loop.run_in_executor(None, hash_blocks, token_arr, self.tpb, self.cfg.hash_salt)
-            self.check_open()                   # the store may have closed meanwhile
+            self._check_still_open()            # the store may have closed, or begun to, meanwhile
             sid, matched, by_tier, counted = self._open_in_core(keys, priority)
             self._keep_tokens(sid, token_arr, len(keys))
         else:
@@ -417,7 +417,7 @@ class Store:
         if self.remote is not None:
             remote = 0
             if matched < len(keys):
-                remote, again = await self._remote_import(sid, keys, matched)
+                remote, again, imported_pages = await self._remote_import(sid, keys, matched)
                 if again:                       # matched again, over the imported blocks (or another's)
                     core.close(sid)
                     before, after = counted
@@ -430,6 +430,9 @@ class Store:
                         self._recounted[1 + t] += by_tier[t]
                     sid, matched, by_tier = core.open(keys, priority)
                     self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
+                    row = self._recounted_pages[HOST] = self._recounted_pages[HOST] or [0] * core.n_groups(HOST)
+                    for g, n in imported_pages.items():     # and their pages, which this match counted
+                        row[g] += n
                     self._keep_tokens(sid, token_arr, len(keys))
         return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
 
@@ -448,7 +451,7 @@ class Store:
         if token_arr is not None and self.kv_events is not None:
             self.kv_events.tokens(sid, 0, token_arr[:n_keys * self.tpb])
 
-    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool]:
+    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool, dict[int, int]]:
         """The remote run after sequence ``sid``'s match, imported by a task of the store's
         own: a caller cancelled meanwhile leaves it to finish (its moves and slots settle),
         and the sequence is closed then."""
@@ -465,11 +468,18 @@ class Store:
                 task.add_done_callback(_close_seq)
             raise
         try:
-            self.check_open()               # the store may have closed meanwhile
+            self._check_still_open()        # the store may have closed, or begun to, meanwhile
         except BaseException:
             self.core.close(sid)
             raise
         return out
+
+    def _check_still_open(self) -> None:
+        """After an await in ``open_sequence``: a close that began meanwhile refuses the
+        sequence too (it would persist and close with the sequence's pages held)."""
+        self.check_open()
+        if self._closing is not None:
+            raise StoreClosedError("store is closing")
 
     # -- tools ----------------------------------------------------------------------------------
     def _drop(self, page) -> None:

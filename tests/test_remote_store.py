@@ -486,19 +486,81 @@ async def test_a_tee_whose_records_fail_gives_its_reservation_back(server, monke
         assert await check_hits(a, 3) == 0                  # all local, and all exact
 
 
-async def test_a_batch_larger_than_the_inflight_bound_goes_when_none_is_in_flight(server):
-    """Review find: write-through skipped every demotion batch larger than max_inflight_bytes,
-    even with nothing in flight, so with pages of megabytes no long prompt ever reached the
-    server. Here the bound is one page (512 bytes) and the batches are of six pages."""
+async def test_a_batch_larger_than_the_inflight_bound_sends_its_shallowest_pages(server):
+    """Review find: write-through reserved a whole demotion batch or nothing, so with pages of
+    megabytes (a batch of 512 pages of 2 MiB is 1 GiB) no long prompt ever reached the server.
+    Now the pages that fit go, the shallowest first (a match needs its prefix). Here the bound
+    is three pages (of 512 bytes) and prompt 0's six pages leave the GPU in one batch."""
     def cfg():
         return config(gpu=8, host=32, remote=RemoteSettings(url=server.url, namespace="t", model="m",
-                                                            op_timeout=2.0, max_inflight_bytes=512))
+                                                            op_timeout=2.0, max_inflight_bytes=3 * 512))
     async with Store.open(cfg()) as a:
-        await write_some(a, n=1)
+        await fill(a, prompt(0))
+        victims = a.moves.pick_victims(GPU, 0, 6)
+        a.core.give_back(GPU, 0, await a.moves.evict(GPU, victims))
+        await a.drain()
         st = a.stats()["remote"]
-        assert st["written_pages"] >= 6 and st["inflight_bytes"] == 0, st
+        assert st["written_pages"] == 3 and st["skipped_pages"] == 3 and st["inflight_bytes"] == 0, st
     async with Store.open(cfg()) as b:
-        assert await check_hits(b, 1) == 6
+        assert await check_hits(b, 1) == 3                  # blocks 0-2, exact: the prefix, not any three
+
+
+async def test_an_optional_page_the_server_lost_never_limits_the_match(server):
+    """Review find: DESIGN.md has OPTIONAL pages never limit a match, but one missing on the
+    server (its maxmemory evicted it, or its ttl ran out) ended the import at its block. Now the
+    block comes without it (to recompute), as a local match without it does."""
+    from runtime import LayerSpec, ReusePolicy
+    from runtime.tools.redis_servers import command
+    from tiers.remote import block_key_bytes
+    layers = [LayerSpec(0, (("k", 128), ("v", 128))),
+              LayerSpec(1, (("k", 128), ("v", 128)), reuse=ReusePolicy.OPTIONAL)]
+
+    def cfg():
+        return config(gpu=16, host=64, layers=layers,
+                      remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    async with Store.open(cfg()) as a:
+        await fill(a, prompt(0))
+        for i in range(100, 106):
+            await fill(a, prompt(i))                        # prompt 0 off the GPU: written through
+        await a.drain()
+        seq = await a.open_sequence(tokens=prompt(0))
+        keys = list(seq.keys)
+        await seq.close()
+    reply = command(server.port, "KEYS", b"t:*:" + block_key_bytes(keys[1]).hex().encode() + b":1")
+    assert command(server.port, "DEL", reply.split(b"\r\n")[2]).startswith(b":1"), reply
+    async with Store.open(cfg()) as b:
+        seq = await b.open_sequence(tokens=prompt(0))
+        try:
+            assert seq.matched_blocks == 6 and seq.matched_by_tier["remote"] == 6
+            await seq.acquire()
+            assert seq.recompute_blocks(1) == [1]           # the lost page, to recompute
+            for blk in range(6):                            # the required pages, exact
+                assert (read_block(b, seq, 0, blk) == expected_block(b, seq, 0, blk)).all(), blk
+        finally:
+            await seq.close()
+        b.check_consistency()
+
+
+async def test_an_open_importing_when_close_begins_is_refused(server, monkeypatch):
+    """Review find: an open whose remote fetch was in flight when close() began returned a
+    live sequence (its pages held while the close persisted) instead of StoreClosedError."""
+    from runtime import StoreClosedError
+    from tiers.remote import RemoteTier
+    async with Store.open(remote_cfg(server.url)) as a:
+        await write_some(a)
+    real = RemoteTier.get
+
+    async def slow_get(self, *args):
+        await asyncio.sleep(0.1)
+        return await real(self, *args)
+    monkeypatch.setattr(RemoteTier, "get", slow_get)
+    b = await Store.open(remote_cfg(server.url))
+    opening = asyncio.ensure_future(b.open_sequence(tokens=prompt(1)))
+    await asyncio.sleep(0.05)                               # fetching from the server
+    closing = asyncio.ensure_future(b.close())
+    with pytest.raises(StoreClosedError, match="closing"):
+        await opening
+    await closing
 
 
 async def test_hit_pages_count_a_rematch_after_an_import_once(server):
@@ -514,7 +576,8 @@ async def test_hit_pages_count_a_rematch_after_an_import_once(server):
         st = b.stats()
         pages = sum(g["hit_pages"] for t in st["tiers"].values() for g in t["groups"])
         assert st["hits"] == {"gpu": 2, "host": 0, "disk": 0, "remote": 6}
-        assert pages == 8                                   # one page a block, each counted once
+        assert pages == 2                                   # one page a block, each counted once ...
+        assert st["remote"]["imported_pages"] == 6          # ... the imported ones as remote (review find)
 
 
 async def test_hit_pages_of_concurrent_rematches(server):
@@ -528,9 +591,12 @@ async def test_hit_pages_of_concurrent_rematches(server):
 
         def pages() -> list[int]:
             return [g["hit_pages"] for t in b.stats()["tiers"].values() for g in t["groups"]]
-        before = sum(pages())
+        before, imported = sum(pages()), b.stats()["remote"]["imported_pages"]
         seqs = await asyncio.gather(*[b.open_sequence(tokens=prompt(i)) for i in (2, 3, 4, 5, 1)])
         assert [s.matched_blocks for s in seqs] == [6] * 5
+        local = seqs[-1].matched_by_tier["gpu"] + seqs[-1].matched_by_tier["host"]
         for s in seqs:
             await s.close()
-        assert min(pages()) >= 0 and sum(pages()) - before == 30    # one page a block, once each
+        # one page a block, once each: the imported ones as remote
+        assert min(pages()) >= 0 and sum(pages()) - before == local
+        assert b.stats()["remote"]["imported_pages"] - imported == 30 - local

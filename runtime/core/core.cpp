@@ -783,11 +783,14 @@ int32_t Core::import_pages(int32_t s, int32_t first, int32_t n, int tier, const 
     const Key& key = q.keys[size_t(pos)];
     int32_t node = index_.find(key);
     if (node >= 0 && (index_.blocks[node].parent != parent || index_.blocks[node].depth != pos)) return i;
+    int fetched = 0;
     for (int lc = 0; lc < n_lcs(); ++lc) {
       if (lcs_[lc].reuse == PRIVATE) continue;
-      if (slots[size_t(lc)][size_t(i)] < 0) return i;                       // not fetched: the run ends here
       if (node >= 0 && index_.page(node, lc) >= 0) return i;               // held already: nothing to import
+      if (slots[size_t(lc)][size_t(i)] >= 0) ++fetched;
+      else if (lcs_[lc].prefix_critical(pos, tpb_)) return i;             // not fetched, and every longer prefix needs it
     }
+    if (!fetched) return i;          // an OPTIONAL or window page missing only costs its recompute; none at all ends the run
     if (node < 0) {
       node = index_.create(parent, pos);
       kv_events_.forget(node);
@@ -798,7 +801,7 @@ int32_t Core::import_pages(int32_t s, int32_t first, int32_t n, int tier, const 
       give_tokens(q, pos, node);
     }
     for (int lc = 0; lc < n_lcs(); ++lc) {
-      if (lcs_[lc].reuse == PRIVATE) continue;
+      if (lcs_[lc].reuse == PRIVATE || slots[size_t(lc)][size_t(i)] < 0) continue;
       int32_t id = new_page(node, lc, HOST, group_of_[HOST][lc], slots[size_t(lc)][size_t(i)], q.priority);
       index_.page(node, lc) = id;
       pt_[id].stamp = ++clock_;

@@ -180,9 +180,11 @@ class Core {
   // allocated: blocks [first, first + n) of sequence s, continuing its match (block
   // first - 1 is indexed), life cycle lc's page at slots[lc][i] (PRIVATE life cycles
   // ignored). Creates the blocks the index lacks and publishes the pages, queued as
-  // evictable. Stops at the first block it cannot take whole (a page not fetched, a
-  // block already holding one, a key indexed elsewhere): returns how many it took; the
-  // slots of the rest are the caller's to give back. The sequence must be opened again
+  // evictable. A page not fetched (slot -1) that the match can do without (OPTIONAL, a
+  // window's outside its sinks: not prefix-critical) leaves its block without it. Stops at
+  // the first block it cannot take (a prefix-critical page not fetched, no page fetched at
+  // all, a block already holding one, a key indexed elsewhere): returns how many it took;
+  // the slots of the rest are the caller's to give back. The sequence must be opened again
   // to match the new blocks.
   int32_t import_pages(int32_t s, int32_t first, int32_t n, int tier, const std::vector<Ids>& slots);
 
