@@ -166,14 +166,15 @@ quota = "64MiB"
 @pytest.mark.parametrize("value,expected", [
     ("8GiB", 8 * 2**30), ("1.5GB", 1_500_000_000), ("1.5 GB", 1_500_000_000), (4096, 4096), ("4096", 4096),
     ("512MiB", 512 * 2**20), ("1KiB", 1024), ("2k", 2000), ("3kb", 3000), ("1TiB", 2**40), ("2tb", 2 * 10**12),
-    ("10b", 10), (" 7 MB ", 7_000_000), (".5KiB", 512), (2.7, 2), ("0.5k", 500),
+    ("10b", 10), (" 7 MB ", 7_000_000), (".5KiB", 512), (2.0, 2), ("0.5k", 500),
 ])
 def test_parse_size(value, expected):
     assert parse_size(value, "f") == expected
 
 
 @pytest.mark.parametrize("value", [0, -1, "0", "-5GiB", "abc", "5XB", "5 G i B", "", True, None, [], {},
-                                   "0.1", float("inf"), float("nan"), 0.5, "1e3"])
+                                   "0.1", float("inf"), float("nan"), 0.5, "1e3",
+                                   2.7, 16.5, 16777216.9, "16.5", "1.0001KiB"])    # no silent truncation (new user)
 def test_parse_size_errors(value):
     with pytest.raises(ConfigError) as ei:
         parse_size(value, "tiers.host.quota")
@@ -302,6 +303,11 @@ INVALID = {
     "priority bool": (lambda d: d.update(default_priority=True), "default_priority"),
     "salt not a string": (lambda d: d.update(hash_salt=5), "hash_salt"),
     "persist_on_close not bool": (lambda d: d.update(persist_on_close="yes"), "persist_on_close"),
+    # past what the core, msgpack or ZMQ take (review finds: they raised TypeError, OverflowError)
+    "tokens_per_block past 32 bits": (lambda d: d.update(tokens_per_block=2**31), "tokens_per_block"),
+    "events rank past an int": (lambda d: d.update(events={"data_parallel_rank": 2**64}), "events.data_parallel_rank"),
+    "events buffer past ZMQ's int": (lambda d: d.update(events={"endpoint": "tcp://127.0.0.1:*",
+                                                                "buffer_batches": 2**31 - 1}), "events.buffer_batches"),
 }
 
 
@@ -464,7 +470,8 @@ def test_remote_tier_from_toml():
     for kw, field in (({"timeout": -1}, "tiers.remote.timeout"), ({"ttl": True}, "tiers.remote.ttl"),
                       ({"ttl": float("inf")}, "tiers.remote.ttl"), ({"write": "around"}, "tiers.remote.write"),
                       ({"model": ""}, "tiers.remote.model"), ({"namespace": "a b"}, "tiers.remote.namespace"),
-                      ({"bogus": 1}, "tiers.remote.bogus"), ({"breaker_failures": 0}, "tiers.remote.breaker_failures")):
+                      ({"bogus": 1}, "tiers.remote.bogus"), ({"breaker_failures": 0}, "tiers.remote.breaker_failures"),
+                      ({"ttl": "²s"}, "tiers.remote.ttl"), ({"timeout": "³ms"}, "tiers.remote.timeout")):
         with pytest.raises(ConfigError) as e:
             remote(**kw)
         assert str(e.value).startswith(field), (kw, str(e.value))

@@ -636,6 +636,7 @@ async def test_concurrent_puts_never_exceed_max_inflight_bytes(server):
     ({"breaker_failures": 0}, "breaker_failures"),
     ({"breaker_failures": 2.0}, "breaker_failures"),
     ({"breaker_cooldown": float("inf")}, "breaker_cooldown"),
+    ({"url": "redis://127.0.0.1:1/0?foo=bar"}, "url"),      # redis-py reads the query at connect (review find)
 ])
 async def test_bad_settings_are_config_errors_naming_the_field(kw, field):
     kw = dict(kw)

@@ -26,21 +26,25 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_size(value: Any, field: str) -> int:
     """``"8GiB"``, ``"1.5 GB"``, ``4096`` -> bytes (a positive integer)."""
+    hint = '(use e.g. 4096, "512MiB", "8GiB")'
     if isinstance(value, bool):
-        raise ConfigError(field, f"invalid size {value!r}")
+        raise ConfigError(field, f"invalid size {str(value).lower()} {hint}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(field, f"invalid size {value!r}")
+        raise ConfigError(field, f"invalid size {value!r} {hint}")
     if isinstance(value, (int, float)):
-        n = int(value)
+        x = value
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*(-?)\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(1):
             raise ConfigError(field, f"must be positive, got {value!r}")
         if not m or m.group(3).lower() not in _UNITS:
-            raise ConfigError(field, f"invalid size {value!r} (use e.g. 4096, \"512MiB\", \"8GiB\")")
-        n = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
+            raise ConfigError(field, f"invalid size {value!r} {hint}")
+        x = float(m.group(2)) * _UNITS[m.group(3).lower()]
     else:
-        raise ConfigError(field, f"invalid size {value!r}")
+        raise ConfigError(field, f"invalid size {value!r} {hint}")
+    if x != int(x):         # 16.5 was 16 bytes, silently
+        raise ConfigError(field, f"{value!r} is not a whole number of bytes {hint}")
+    n = int(x)
     if n <= 0:
         raise ConfigError(field, f"must be positive, got {value!r}")
     if n > MAX_BYTES:
@@ -53,9 +57,11 @@ def _check_type(value: Any, types: tuple, field: str, what: str) -> None:
         raise ConfigError(field, f"must be {what}, got {value!r}")
 
 
-def _positive_int(value: Any, field: str) -> int:
+def _positive_int(value: Any, field: str, most: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    if most is not None and value > most:
+        raise ConfigError(field, f"must be at most {most:,}, got {value:,}")
     return value
 
 
@@ -137,6 +143,11 @@ class DiskConfig(ColdTierConfig):
     scrub_rate: int | str = "64MB"  # bytes a scrub reads per second, at most (per second of its run)
 
 
+MAX_BUFFER_BATCHES = 1_000_000      # ZMQ's high-water mark is a C int; the batches are held in memory
+MAX_RANK = (1 << 31) - 1            # an int in vLLM's event batches
+MAX_TOKENS_PER_BLOCK = 1 << 20      # the core's block and token positions are 32-bit
+
+
 @dataclasses.dataclass(slots=True)
 class EventsConfig:
     """KV events for routers (runtime/events.py). Present means on; with no
@@ -157,10 +168,11 @@ class EventsConfig:
             _check_type(getattr(self, name), (str, type(None)), f"events.{name}", "a string")
         _check_type(self.model, (str,), "events.model", "a string")
         _check_type(self.positional, (bool,), "events.positional", "true or false")
-        _positive_int(self.buffer_batches, "events.buffer_batches")
+        _positive_int(self.buffer_batches, "events.buffer_batches", MAX_BUFFER_BATCHES)
         if not isinstance(self.data_parallel_rank, int) or isinstance(self.data_parallel_rank, bool) \
-                or self.data_parallel_rank < 0:
-            raise ConfigError("events.data_parallel_rank", f"must be a non-negative integer, got {self.data_parallel_rank!r}")
+                or not 0 <= self.data_parallel_rank <= MAX_RANK:
+            raise ConfigError("events.data_parallel_rank",
+                              f"must be an integer in 0..{MAX_RANK}, got {self.data_parallel_rank!r}")
         if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) \
                 or not 0.0001 <= self.flush_interval <= 10:
             raise ConfigError("events.flush_interval", f"must be a number of seconds in 0.0001..10, got {self.flush_interval!r}")
@@ -183,7 +195,7 @@ class StoreConfig:
     layout: Layout = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _positive_int(self.tokens_per_block, "tokens_per_block")
+        _positive_int(self.tokens_per_block, "tokens_per_block", MAX_TOKENS_PER_BLOCK)
         if isinstance(self.hash_salt, str):
             self.hash_salt = self.hash_salt.encode()
         _check_type(self.hash_salt, (bytes,), "hash_salt", "a string or bytes")
@@ -374,7 +386,8 @@ def _duration_ms(value: Any, field: str) -> int | None:
     if isinstance(value, str):
         for unit in sorted(_DURATION, key=len, reverse=True):
             num = value.strip()[:-len(unit)].strip()
-            if value.strip().endswith(unit) and num.replace(".", "", 1).isdigit() and \
+            # ASCII digits only: str.isdigit takes "²", which float() refuses
+            if value.strip().endswith(unit) and num.isascii() and num.replace(".", "", 1).isdigit() and \
                     0 < float(num) * _DURATION[unit] < 10 ** 9:
                 return max(1, int(float(num) * _DURATION[unit] * 1000))
     raise ConfigError(field, f"expected a duration such as '24h', '90s' or seconds, got {value!r}")

@@ -518,6 +518,9 @@ class RemoteTier:
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as e:   # unreachable, refused, ...
             tier._failures[_failure_kind(e)] += 1
             tier._open_circuit()
+        except (ValueError, TypeError) as e:    # a bad option in the URL's query: redis-py reads it at connect
+            await tier.close()
+            raise ConfigError(f"{_FIELD}.{'urls' if settings.urls is not None else 'url'}", str(e)) from None
         return tier
 
     # -- keys -------------------------------------------------------------------------------------
