@@ -157,7 +157,14 @@ class Sequence:
         fences = self._extend_now(num_blocks)
         if fences is not None:
             if fences:
-                await wait_events(fences)   # a cancelled wait leaves the pages placed and owned: no leak
+                try:
+                    await wait_events(fences)
+                except asyncio.CancelledError:
+                    # as the slow path: a cancelled extend leaves the sequence as it was (the
+                    # slots go back with the fences they came with)
+                    if not self.closed and not self.store.closed:
+                        self._undo_extend(num_blocks)
+                    raise
             return
         await self._run_exclusive(self._extend(num_blocks), self._undo_extend)
 

@@ -11,7 +11,9 @@ import torch
 from runtime import OutOfPagesError, Store, StoreClosedError, migration
 from runtime.sequence import Sequence
 
-from helpers import DEVICE, config, expected_block, fill, fill_and_hold_writer, half_inline_layers, read_block, toks
+from helpers import (DEVICE, check_seq, config, expected_block, fill, fill_and_hold_writer, half_inline_layers, read_block,
+                     toks, write_blocks)
+from runtime.pages import GPU
 
 pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="gates the emulated streams' worker threads")
 
@@ -166,6 +168,35 @@ async def test_a_long_sequence_cancelled_at_its_yield_changed_nothing():
         again = await store.open_sequence(block_keys=list(range(1, n + 1)))
         assert again.matched_blocks == n
         await again.close()
+
+
+async def test_an_extend_cancelled_while_its_slots_fences_are_pending_changed_nothing():
+    """Review find: the fast path's extend, cancelled while it waited for its new slots' fences
+    (the copies still reading them, on CUDA), left the sequence extended where the slow path
+    undoes it. Here a job held on a copy stream is the fence of every free GPU slot."""
+    async with Store.open(config(gpu=8)) as store:
+        gate = threading.Event()
+        reading = store.engine.down.submit(gate.wait)       # a copy still reading the slots
+        try:
+            slots = store.core.allocate(GPU, 0, store.core.free(GPU, 0))
+            store.core.release_slots(GPU, 0, slots, store.events.id(reading))
+            seq = await store.open_sequence(tokens=toks(1, 2))
+            task = asyncio.ensure_future(seq.extend(2))
+            await asyncio.sleep(0.05)
+            assert not task.done()                          # waiting for the fence
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert seq.num_blocks == 0 and not seq.busy
+            store.check_consistency()
+        finally:
+            gate.set()
+        await seq.extend(2)
+        write_blocks(store, seq, range(2))
+        seq.commit(2)
+        await seq.close()
+        assert await check_seq(store, 1, 2) == 2
+        store.check_consistency()
 
 
 def _run_now(coro):
