@@ -70,41 +70,79 @@ class Model:
             self.written += int(fill.sum())
 
 
-async def conversation(store: runtime.Store, model: Model, rng: random.Random, system: list[int],
-                       turns: int, tally: collections.Counter) -> None:
+class Admission:
+    """What a server does with ``OutOfPagesError``: the GPU pool is locked by the requests in
+    flight, so the request waits for one of them to end and tries again. A request larger than
+    the pool (``RequestTooLargeError``) never fits: it is refused, not retried."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.ended = asyncio.Condition()
+
+    async def serve(self, request) -> bool:
+        """Run ``request()`` (one open .. close) until it fits; False if it never can."""
+        while True:
+            self.running += 1
+            try:
+                await request()
+                return True
+            except runtime.RequestTooLargeError as exc:
+                print(f"refused: {exc}", file=sys.stderr)
+                return False
+            except runtime.OutOfPagesError:
+                if self.running == 1:       # nobody else holds pages: waiting would never end
+                    raise
+            finally:
+                self.running -= 1
+                async with self.ended:
+                    self.ended.notify_all()
+            async with self.ended:
+                await self.ended.wait()
+
+
+async def conversation(store: runtime.Store, model: Model, admission: Admission, rng: random.Random,
+                       system: list[int], turns: int, tally: collections.Counter) -> None:
     history = list(system)
     for _ in range(turns):
         history += [rng.randrange(32_000) for _ in range(rng.randrange(2_000, 5_000))]
-        seq = await store.open_sequence(tokens=history, priority=35)
-        try:
-            tally.update(seq.matched_by_tier)
-            tally["blocks"] += len(seq.keys)
-            await seq.acquire()                                   # cached prefix on the GPU, locked, ready
-            await seq.extend(len(seq.keys) - seq.num_blocks)      # fresh pages for the rest of the prompt
-            model.run(seq)
-            seq.commit(len(seq.keys))                             # published for later turns and requests
-            await seq.release()
-        finally:
-            await seq.close()
+
+        async def request(tokens=list(history)) -> None:
+            seq = await store.open_sequence(tokens=tokens, priority=35)
+            try:
+                await seq.acquire()                               # cached prefix on the GPU, locked, ready
+                await seq.extend(len(seq.keys) - seq.num_blocks)  # fresh pages for the rest of the prompt
+                model.run(seq)
+                seq.commit(len(seq.keys))                         # published for later turns and requests
+                await seq.release()
+                tally.update(seq.matched_by_tier)
+                tally["blocks"] += len(seq.keys)
+            finally:
+                await seq.close()
+        if not await admission.serve(request):
+            return
         history += [rng.randrange(32_000) for _ in range(200)]    # the reply, part of the next turn's prompt
         await asyncio.sleep(0)
 
 
 async def main(args: argparse.Namespace) -> int:
     if args.disk_dir is not None:
-        os.makedirs(args.disk_dir, exist_ok=True)
+        try:
+            os.makedirs(args.disk_dir, exist_ok=True)
+        except OSError as exc:
+            raise runtime.ConfigError("--disk-dir", f"cannot make {args.disk_dir}: {exc.strerror}") from None
     cfg = runtime.load_config(args.config, disk_path=args.disk_dir)
     rng = random.Random(args.seed)
     system = [rng.randrange(32_000) for _ in range(2_048)]        # a system prompt every conversation shares
     tally: collections.Counter = collections.Counter()
     async with runtime.Store.open(cfg) as store:
-        model = Model(store, cfg)
-        await asyncio.gather(*(conversation(store, model, random.Random(args.seed * 1000 + c), system,
+        model, admission = Model(store, cfg), Admission()
+        await asyncio.gather(*(conversation(store, model, admission, random.Random(args.seed * 1000 + c), system,
                                             args.turns, tally) for c in range(args.conversations)))
         moved = store.stats()["moves"]
     blocks = tally.pop("blocks", 0)
+    tiers = [t for t in ("gpu", "host", "disk", "remote") if t != "remote" or cfg.remote is not None]
     print(f"{args.conversations} conversations x {args.turns} turns: {blocks} blocks requested, "
-          + ", ".join(f"{n} cached on {tier}" for tier, n in tally.items()))
+          + ", ".join(f"{tally[tier]} cached on {tier}" for tier in tiers))
     print("pages moved: " + (", ".join(f"{d} {m['pages']}" for d, m in sorted(moved.items()) if m["pages"])
                              or "none"))
     print(f"cached buffers checked {model.checked} (a block's k or v of one layer), wrong {model.wrong}; "
@@ -125,4 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.exit(runtime.run(main(parse_args())))
+    args = parse_args()
+    try:
+        sys.exit(runtime.run(main(args)))
+    except (runtime.KvtierError, OSError) as exc:     # a bad config or disk directory: one line, as kvtier says it
+        sys.exit(f"embed.py: {exc}")

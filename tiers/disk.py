@@ -422,7 +422,8 @@ class DiskTier:
         growth = sum(max(0, g.max_size - g.size) for g in self.groups)
         if growth > free:
             log.warning("disk tier %s: the quota needs %d more bytes (%s) but the filesystem has %d (%s) free%s; "
-                        "the tier will stop growing when it fills (writes then fail with DiskFullError)", self.path,
+                        "the tier will stop growing when it fills (a store then drops the pages it would spill, "
+                        "counted in stats()['disk_full'], and requests go on)", self.path,
                         growth, human_bytes(growth), max(0, free), human_bytes(max(0, free)),
                         f" above min_free={self.min_free}" if self.min_free else "")
         self._stats["quota_beyond_free_bytes"] = max(0, growth - max(0, free))
