@@ -965,9 +965,12 @@ async def serve(cfg: runtime.StoreConfig, host: str, port: int, limits: Limits |
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     print(f"listening on http://{shown}:{bound[1]}", flush=True)
     await stop.wait()
-    log.info("shutting down")
+    print("stopping: finishing the requests in flight, then closing the store"
+          + (" (committed pages persisted to disk)" if cfg.disk is not None and cfg.persist_on_close else ""),
+          file=sys.stderr, flush=True)
     # stop accepting, finish in-flight requests, then close sequences and the store (cleanup_ctx)
     await runner.cleanup()
+    print("stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -1063,7 +1066,8 @@ def main(argv: list[str] | None = None) -> int:
     except (runtime.ConfigError, OSError) as exc:
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
-        print(f"kvtier serve: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        what = f"--disk-dir {args.disk_dir}: " if isinstance(exc, OSError) and args.disk_dir is not None else ""
+        print(f"kvtier serve: {what}{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
         return runtime.run(serve(cfg, args.host, args.port, limits_from(args)))

@@ -246,7 +246,8 @@ class StoreConfig:
             if not self.disk.path:
                 raise ConfigError("tiers.disk.path", "a directory is required")
             if not os.path.exists(self.disk.path):
-                raise ConfigError("tiers.disk.path", f"directory {self.disk.path!r} does not exist")
+                raise ConfigError("tiers.disk.path",
+                                  f"directory {self.disk.path!r} does not exist (make it: mkdir -p {self.disk.path})")
             if not os.path.isdir(self.disk.path):
                 raise ConfigError("tiers.disk.path", f"{self.disk.path!r} is not a directory")
             if self.disk.on_mismatch not in ("error", "wipe"):

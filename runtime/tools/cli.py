@@ -176,7 +176,7 @@ def cmd_replay(args) -> int:
         given = [f"--{k.replace('_', '-')}" for k in _REPLAY_FLAGS if getattr(args, k) is not None]
         if given:
             raise UsageError(f"{', '.join(given)} cannot be combined with --config: the config sets the tiers, "
-                             "page size and device")
+                             "page size, tokens per block and device")
     if args.speed != 1.0 and not args.honor_timestamps:
         raise UsageError("--speed needs --honor-timestamps (without it requests start back to back)")
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
@@ -209,7 +209,7 @@ def _print_replay(out: dict) -> None:
         wt = out.get(key)
         if wt:
             rows += _copy_rows(tier, wt)
-    rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["pages verified", out["verified_pages"]],
+    rows += [["blocks/s", f"{out['blocks_per_s']:.0f}"], ["cached pages verified", out["verified_pages"]],
              ["pages corrupt", out["corrupt_pages"]],
              ["loop lag p50 / p99 / max", f"{out['loop_lag_ms']['p50']} / {out['loop_lag_ms']['p99']} / "
                                           f"{out['loop_lag_ms']['max']} ms"]]
@@ -224,6 +224,9 @@ def _print_replay(out: dict) -> None:
 def _print_moves(moved: dict) -> None:
     rows = [[d, m["pages"], human_bytes(m["bytes"]), m["batches"], f"{m['bandwidth_gbps']:.2f}", m["failures"]]
             for d, m in moved.items()]
+    if not rows:                        # an empty table is a header alone
+        _console().print("Moves: none (every page stayed in its tier)")
+        return
     _table("Moves", ["direction", "pages", "bytes", "batches", "GB/s", "failed"], rows)
 
 
@@ -247,7 +250,14 @@ def cmd_stress(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        rows = [[k, v] for k, v in out.items() if k != "clean_copies"]
+        rows = []
+        for k, v in out.items():
+            if k == "clean_copies":
+                continue
+            if isinstance(v, dict):         # errors_by_type, scrub: a row per entry, not a Python dict
+                rows += [[f"{k}: {name}", n] for name, n in v.items()] or [[k, "none"]]
+            else:
+                rows.append([k, v])
         for tier, c in out["clean_copies"].items():
             rows += _copy_rows(tier, c)
         _table("Stress", ["", "value"], rows)
@@ -311,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
     d = command("demo", "replay a bundled trace slice with real pages through all three tiers")
-    d.add_argument("--requests", type=at_least(1), default=300, help="requests replayed (default 300)")
+    d.add_argument("--requests", type=at_least(1), default=300, help="requests replayed (default 300; the bundled slice has 393)")
     d.add_argument("--concurrency", type=at_least(1), default=4, help="requests in flight (default 4)")
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=cmd_demo)

@@ -188,7 +188,13 @@ class _Reader:
                 continue
             try:
                 out.append(_parse(json.loads(raw.decode("utf-8"))))
-            except (ValueError, RecursionError) as exc:     # bad JSON, bad UTF-8, absurd nesting
+            except json.JSONDecodeError as exc:             # its own "line 1 column 1" read as a second line number
+                self._skip(self.line, f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except UnicodeDecodeError:
+                self._skip(self.line, "not UTF-8 text")
+                continue
+            except (ValueError, RecursionError) as exc:     # a request without what it needs, absurd nesting
                 self._skip(self.line, str(exc))
                 continue
             if self.left is not None:
