@@ -157,14 +157,13 @@ class Sequence:
         fences = self._extend_now(num_blocks)
         if fences is not None:
             if fences:
-                try:
+                # its new slots' fences (copies still reading them, on CUDA) are waited for as the
+                # slow path's work is: busy meanwhile, and a cancelled caller's extend undone once
+                # they ended (undone at once, the slots went back unfenced: found in review)
+                async def read(n: int = num_blocks) -> int:
                     await wait_events(fences)
-                except asyncio.CancelledError:
-                    # as the slow path: a cancelled extend leaves the sequence as it was (the
-                    # slots go back with the fences they came with)
-                    if not self.closed and not self.store.closed:
-                        self._undo_extend(num_blocks)
-                    raise
+                    return n
+                await self._run_exclusive(read(), self._undo_extend)
             return
         await self._run_exclusive(self._extend(num_blocks), self._undo_extend)
 

@@ -171,9 +171,11 @@ async def test_a_long_sequence_cancelled_at_its_yield_changed_nothing():
 
 
 async def test_an_extend_cancelled_while_its_slots_fences_are_pending_changed_nothing():
-    """Review find: the fast path's extend, cancelled while it waited for its new slots' fences
+    """Review finds: the fast path's extend, cancelled while it waited for its new slots' fences
     (the copies still reading them, on CUDA), left the sequence extended where the slow path
-    undoes it. Here a job held on a copy stream is the fence of every free GPU slot."""
+    undoes it; undone at once, its slots went back unfenced and another extend took them while
+    the copy still read them. The undo now waits for the fences. Here a job held on a copy
+    stream is the fence of every free GPU slot."""
     async with Store.open(config(gpu=8)) as store:
         gate = threading.Event()
         reading = store.engine.down.submit(gate.wait)       # a copy still reading the slots
@@ -187,10 +189,19 @@ async def test_an_extend_cancelled_while_its_slots_fences_are_pending_changed_no
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert seq.num_blocks == 0 and not seq.busy
-            store.check_consistency()
+            assert seq.busy                                 # its undo waits for the copy
+            assert all(store.core.slot_fences(GPU, 0, [s]) for s in range(8))     # no slot lost its fence
+            other = await store.open_sequence(tokens=toks(2, 2))
+            taking = asyncio.ensure_future(other.extend(2))
+            await asyncio.sleep(0.05)
+            assert not taking.done()                        # the copy still reads whatever slots it got
         finally:
             gate.set()
+        await asyncio.wait_for(taking, 10)
+        await other.close()
+        await asyncio.sleep(0.05)
+        assert seq.num_blocks == 0 and not seq.busy
+        store.check_consistency()
         await seq.extend(2)
         write_blocks(store, seq, range(2))
         seq.commit(2)
