@@ -3,6 +3,7 @@ naming the offending field; ``StoreConfig.from_dict`` takes the TOML shape."""
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
 import os
 import re
@@ -39,7 +40,7 @@ def parse_size(value: Any, field: str) -> int:
             raise ConfigError(field, f"must be positive, got {value!r}")
         if not m or m.group(3).lower() not in _UNITS:
             raise ConfigError(field, f"invalid size {value!r} {hint}")
-        x = float(m.group(2)) * _UNITS[m.group(3).lower()]
+        x = decimal.Decimal(m.group(2)) * _UNITS[m.group(3).lower()]     # exact: 4.1 GB is 4,100,000,000
     else:
         raise ConfigError(field, f"invalid size {value!r} {hint}")
     if x != int(x):         # 16.5 was 16 bytes, silently
