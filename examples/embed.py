@@ -77,12 +77,15 @@ class Admission:
 
     def __init__(self) -> None:
         self.running = 0
+        self.finished = 0                   # requests that ended holding no more pages, ever
         self.ended = asyncio.Condition()
 
     async def serve(self, request) -> bool:
         """Run ``request()`` (one open .. close) until it fits; False if it never can."""
         while True:
+            seen = self.finished
             self.running += 1
+            refused = False
             try:
                 await request()
                 return True
@@ -92,12 +95,15 @@ class Admission:
             except runtime.OutOfPagesError:
                 if self.running == 1:       # nobody else holds pages: waiting would never end
                     raise
+                refused = True
             finally:
                 self.running -= 1
-                async with self.ended:
-                    self.ended.notify_all()
-            async with self.ended:
-                await self.ended.wait()
+                if not refused:             # a refused try freed nothing: it wakes nobody
+                    self.finished += 1
+                    async with self.ended:
+                        self.ended.notify_all()
+            async with self.ended:          # until a request ends (one may have ended already)
+                await self.ended.wait_for(lambda: self.finished != seen)
 
 
 async def conversation(store: runtime.Store, model: Model, admission: Admission, rng: random.Random,
