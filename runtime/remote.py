@@ -69,34 +69,34 @@ class RemoteLink:
             await self.tier.close()
 
     # -- reads ------------------------------------------------------------------------------
-    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, dict[int, int]]:
+    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, list]:
         """Import the remote run after the local match of sequence ``sid``: (blocks imported,
-        whether the sequence should be matched again: blocks may have arrived meanwhile, the
-        pages imported per host group: the match again counts them as host hit pages, which the
-        store takes back out, as hits count them as remote)."""
+        whether the sequence should be matched again: blocks may have arrived meanwhile, each
+        imported block's pages per host group). The match again may stop short of them (a
+        window's page the server lacked): ``count_matched`` counts those it reached."""
         try:
             return await self._extend_match(sid, keys, matched)
         except (KvtierError, OSError) as exc:      # making room failed (all locked, disk full, I/O): a miss
             log.debug("remote tier: import skipped: %r", exc)
-            return 0, True, {}
+            return 0, True, []
 
-    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, dict[int, int]]:
+    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, list]:
         store, tier = self.store, self.tier
         n = min(len(keys) - matched, MAX_LOOKUP_BLOCKS)
         if n <= 0 or tier is None or not self.lcs or tier.circuit_state() == "open":
-            return 0, False, {}
+            return 0, False, []
         per = len(self.lcs)
         idents = [(bk, lc) for bk in map(block_key_bytes, keys[matched:matched + n]) for lc in self.lcs]
         have = await tier.exists(tier.page_keys(idents))
         run = self._run(have, matched, n)
         if run == 0 or store.closed or store.closing:
-            return 0, False, {}
+            return 0, False, []
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
         per_group = collections.Counter(groups)
         # at most half of each host group: the import must not evict what this request needs
         run = min([run] + [core.capacity(HOST, g) // (2 * k) for g, k in per_group.items()])
         if run <= 0:
-            return 0, False, {}
+            return 0, False, []
         counts = {g: run * k for g, k in per_group.items()}
         slots = await store.moves.obtain_many(HOST, counts)      # evicts (and cascades) as a promotion would
         try:
@@ -114,17 +114,22 @@ class RemoteLink:
             for g, s in slots.items():
                 core.give_back(HOST, g, s)
             raise
-        pages: dict[int, int] = {}
         for g, s in slots.items():                        # groups have their own slot numbers: per group
             mine = {by_lc[lc][i] for j, lc in enumerate(self.lcs) if groups[j] == g for i in range(imported)}
-            mine.discard(-1)                              # a page the server lacked, that the match can do without
-            pages[g] = len(mine)
-            rest = [x for x in s if x not in mine]
+            rest = [x for x in s if x not in mine]        # (-1 in mine: a page the server lacked)
             if rest:
                 core.give_back(HOST, g, rest)
-        self.imported_blocks += imported
-        self.imported_pages += sum(pages.values())
+        # the pages of each imported block per host group: the match again counts the blocks it
+        # reaches as host hits, which the store counts as remote instead
+        pages = [collections.Counter(groups[j] for j, lc in enumerate(self.lcs) if by_lc[lc][i] >= 0)
+                 for i in range(imported)]
         return imported, True, pages
+
+    def count_matched(self, pages: list[collections.Counter]) -> None:
+        """The imported blocks the sequence's match reached (their pages per host group): the
+        remote tier's hits."""
+        self.imported_blocks += len(pages)
+        self.imported_pages += sum(sum(c.values()) for c in pages)
 
     def _run(self, have: list[bool], matched: int, n: int) -> int:
         """The blocks the server can continue the match with (``have``: its pages, block by block,

@@ -428,11 +428,17 @@ class Store:
                     self._recounted[0] += len(keys)
                     for t in range(3):
                         self._recounted[1 + t] += by_tier[t]
+                    first = matched
                     sid, matched, by_tier = core.open(keys, priority)
-                    self._recounted[1 + HOST] += remote     # the imported blocks count as remote hits, not host
+                    # the imported blocks this match reached (a window's page the server lacked can
+                    # end it early) count as remote hits, not host, and so do their pages
+                    remote = max(0, min(remote, matched - first))
+                    self._recounted[1 + HOST] += remote
                     row = self._recounted_pages[HOST] = self._recounted_pages[HOST] or [0] * core.n_groups(HOST)
-                    for g, n in imported_pages.items():     # and their pages, which this match counted
-                        row[g] += n
+                    for pages in imported_pages[:remote]:
+                        for g, n in pages.items():
+                            row[g] += n
+                    self.remote.count_matched(imported_pages[:remote])
                     self._keep_tokens(sid, token_arr, len(keys))
         return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
 
@@ -451,7 +457,7 @@ class Store:
         if token_arr is not None and self.kv_events is not None:
             self.kv_events.tokens(sid, 0, token_arr[:n_keys * self.tpb])
 
-    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool, dict[int, int]]:
+    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool, list]:
         """The remote run after sequence ``sid``'s match, imported by a task of the store's
         own: a caller cancelled meanwhile leaves it to finish (its moves and slots settle),
         and the sequence is closed then."""

@@ -541,6 +541,41 @@ async def test_an_optional_page_the_server_lost_never_limits_the_match(server):
         b.check_consistency()
 
 
+async def test_a_window_page_the_server_lost_ends_the_match_and_counts_only_what_it_reached(server):
+    """Review find: with a REQUIRED window, the import takes a block whose window page the server
+    lost (no longer prefix-critical), but the match end needs that page: the match again stopped
+    a block short, and hits and hit_pages took back every imported block (host went negative)."""
+    from runtime import ReusePolicy
+    from runtime.tools.redis_servers import command
+    from tiers.remote import block_key_bytes
+    from helpers import two_life_cycles
+
+    def cfg():
+        return config(gpu=16, host=64, layers=two_life_cycles(window_reuse=ReusePolicy.REQUIRED),
+                      remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
+    async with Store.open(cfg()) as a:
+        await fill(a, prompt(0))
+        for i in range(100, 106):
+            await fill(a, prompt(i))                        # prompt 0 off the GPU: written through
+        await a.drain()
+        seq = await a.open_sequence(tokens=prompt(0))
+        keys = list(seq.keys)
+        await seq.close()
+    reply = command(server.port, "KEYS", b"t:*:" + block_key_bytes(keys[5]).hex().encode() + b":1")
+    assert command(server.port, "DEL", reply.split(b"\r\n")[2]).startswith(b":1"), reply
+    async with Store.open(cfg()) as b:
+        seq = await b.open_sequence(tokens=prompt(0))
+        assert seq.matched_blocks == 5
+        assert seq.matched_by_tier == {"gpu": 0, "host": 0, "disk": 0, "remote": 5}
+        await seq.close()
+        st = b.stats()
+        assert st["hits"] == {"gpu": 0, "host": 0, "disk": 0, "remote": 5}
+        assert st["remote"]["imported_blocks"] == 5 and st["remote"]["imported_pages"] == 10
+        assert [g["hit_pages"] for t in st["tiers"].values() for g in t["groups"]] == [0, 0]
+        b.check_consistency()
+        assert await check_hits(b, 1) == 0                  # all local now, and exact
+
+
 async def test_an_open_importing_when_close_begins_is_refused(server, monkeypatch):
     """Review find: an open whose remote fetch was in flight when close() began returned a
     live sequence (its pages held while the close persisted) instead of StoreClosedError."""
