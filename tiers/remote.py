@@ -324,6 +324,7 @@ class _Standalone:
         import redis.asyncio as aredis
         self.client = aredis.Redis.from_url(settings.url, **kwargs)
         pool = self.client.connection_pool
+        pool.make_connection()          # not connected: checks the URL's query options now, not at the first connect
         self.pool = pool
         import inspect
         param = inspect.signature(pool.get_connection).parameters.get("command_name")
@@ -518,9 +519,6 @@ class RemoteTier:
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as e:   # unreachable, refused, ...
             tier._failures[_failure_kind(e)] += 1
             tier._open_circuit()
-        except (ValueError, TypeError) as e:    # a bad option in the URL's query: redis-py reads it at connect
-            await tier.close()
-            raise ConfigError(f"{_FIELD}.{'urls' if settings.urls is not None else 'url'}", str(e)) from None
         return tier
 
     # -- keys -------------------------------------------------------------------------------------
