@@ -505,15 +505,12 @@ async def test_a_batch_larger_than_the_inflight_bound_sends_its_shallowest_pages
         assert await check_hits(b, 1) == 3                  # blocks 0-2, exact: the prefix, not any three
 
 
-async def test_an_optional_page_the_server_lost_never_limits_the_match(server):
-    """Review find: DESIGN.md has OPTIONAL pages never limit a match, but one missing on the
-    server (its maxmemory evicted it, or its ttl ran out) ended the import at its block. Now the
-    block comes without it (to recompute), as a local match without it does."""
-    from runtime import LayerSpec, ReusePolicy
+async def written_without(server, layers, block: int, lc: int):
+    """Prompt 0 written through to the server by a store of ``layers``, then life cycle ``lc``'s
+    page of its block ``block`` deleted there (as the server's maxmemory or ttl would): the
+    config of a store to read it back with."""
     from runtime.tools.redis_servers import command
     from tiers.remote import block_key_bytes
-    layers = [LayerSpec(0, (("k", 128), ("v", 128))),
-              LayerSpec(1, (("k", 128), ("v", 128)), reuse=ReusePolicy.OPTIONAL)]
 
     def cfg():
         return config(gpu=16, host=64, layers=layers,
@@ -526,8 +523,20 @@ async def test_an_optional_page_the_server_lost_never_limits_the_match(server):
         seq = await a.open_sequence(tokens=prompt(0))
         keys = list(seq.keys)
         await seq.close()
-    reply = command(server.port, "KEYS", b"t:*:" + block_key_bytes(keys[1]).hex().encode() + b":1")
+    reply = command(server.port, "KEYS", b"t:*:" + block_key_bytes(keys[block]).hex().encode() + b":%d" % lc)
     assert command(server.port, "DEL", reply.split(b"\r\n")[2]).startswith(b":1"), reply
+    return cfg
+
+
+async def test_an_optional_page_the_server_lost_never_limits_the_match(server):
+    """Review find: DESIGN.md has OPTIONAL pages never limit a match, but one missing on the
+    server (its maxmemory evicted it, or its ttl ran out) ended the import at its block. Now the
+    block comes without it (to recompute), as a local match without it does."""
+    from runtime import LayerSpec, ReusePolicy
+    layers = [LayerSpec(0, (("k", 128), ("v", 128))),
+              LayerSpec(1, (("k", 128), ("v", 128)), reuse=ReusePolicy.OPTIONAL)]
+
+    cfg = await written_without(server, layers, block=1, lc=1)
     async with Store.open(cfg()) as b:
         seq = await b.open_sequence(tokens=prompt(0))
         try:
@@ -546,23 +555,9 @@ async def test_a_window_page_the_server_lost_ends_the_match_and_counts_only_what
     lost (no longer prefix-critical), but the match end needs that page: the match again stopped
     a block short, and hits and hit_pages took back every imported block (host went negative)."""
     from runtime import ReusePolicy
-    from runtime.tools.redis_servers import command
-    from tiers.remote import block_key_bytes
     from helpers import two_life_cycles
 
-    def cfg():
-        return config(gpu=16, host=64, layers=two_life_cycles(window_reuse=ReusePolicy.REQUIRED),
-                      remote=RemoteSettings(url=server.url, namespace="t", model="m", op_timeout=2.0))
-    async with Store.open(cfg()) as a:
-        await fill(a, prompt(0))
-        for i in range(100, 106):
-            await fill(a, prompt(i))                        # prompt 0 off the GPU: written through
-        await a.drain()
-        seq = await a.open_sequence(tokens=prompt(0))
-        keys = list(seq.keys)
-        await seq.close()
-    reply = command(server.port, "KEYS", b"t:*:" + block_key_bytes(keys[5]).hex().encode() + b":1")
-    assert command(server.port, "DEL", reply.split(b"\r\n")[2]).startswith(b":1"), reply
+    cfg = await written_without(server, two_life_cycles(window_reuse=ReusePolicy.REQUIRED), block=5, lc=1)
     async with Store.open(cfg()) as b:
         seq = await b.open_sequence(tokens=prompt(0))
         assert seq.matched_blocks == 5
