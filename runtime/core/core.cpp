@@ -157,35 +157,61 @@ void Core::note(KvEventKind kind, int32_t id) {
 }
 
 void Core::note_arrivals(const Ids& batch) {
-  // Pages of one chain that arrive together are logged parent before child, so that
-  // routers get one BlockStored per chain rather than one per page (a batch is in slot
-  // order). Each page is followed by a child in the batch when it has one. Sorted
-  // scratch arrays, no allocation per page: this runs for every landed batch.
-  auto& order = arrivals_;            // (depth, page), shallowest first
-  auto& kids = arrival_kids_;         // ((parent block, lc), position in order), sorted
-  order.clear();
-  kids.clear();
-  for (int32_t id : batch) {
-    const Page& p = pt_[id];
-    if ((p.published || p.copy) && p.block >= 0) order.push_back({index_.blocks[p.block].depth, id});
+  // Pages of one chain that arrive together are logged parent before child, each followed by
+  // a child of its in the batch when it has one, so that routers get one BlockStored per
+  // chain rather than one per page (the encoder merges a run of entries each the parent of the
+  // next). A table of the batch's (block, lc) finds each page's parent among the batch; each
+  // page whose parent is not in it starts a chain, walked depth first through its children.
+  // O(batch), scratch arrays kept between calls: this runs for every landed batch.
+  const size_t n = batch.size();
+  size_t cap = 16;
+  while (cap < 2 * n) cap <<= 1;
+  const size_t mask = cap - 1;
+  auto slot_of = [mask](int32_t block, int lc) {
+    uint64_t k = (uint64_t(uint32_t(block)) << 8 | uint64_t(lc)) * 0x9E3779B97F4A7C15ULL;
+    return size_t(k >> 32) & mask;
+  };
+  auto& table = arrival_table_;
+  table.assign(cap, -1);
+  arrival_child_.assign(n, -1);
+  arrival_sibling_.assign(n, -1);
+  arrival_has_parent_.assign(n, 0);
+  auto logged = [&](const Page& p) { return (p.published || p.copy) && p.block >= 0; };
+  for (size_t i = 0; i < n; ++i) {
+    const Page& p = pt_[batch[i]];
+    if (!logged(p)) continue;
+    size_t h = slot_of(p.block, p.lc);
+    while (table[h] >= 0) h = (h + 1) & mask;      // a (block, lc) lands once per batch
+    table[h] = int32_t(i);
   }
-  std::sort(order.begin(), order.end());
-  for (size_t i = 0; i < order.size(); ++i) {
-    const Page& p = pt_[order[i].second];
+  for (size_t i = n; i-- > 0;) {                   // backwards: children listed in batch order
+    const Page& p = pt_[batch[i]];
+    if (!logged(p)) continue;
     int32_t parent = index_.blocks[p.block].parent;
-    if (parent >= 0) kids.push_back({int64_t(parent) << 8 | p.lc, int32_t(i)});
+    if (parent < 0) continue;
+    for (size_t h = slot_of(parent, p.lc); table[h] >= 0; h = (h + 1) & mask) {
+      const Page& q = pt_[batch[size_t(table[h])]];
+      if (q.block == parent && q.lc == p.lc) {
+        arrival_sibling_[i] = arrival_child_[size_t(table[h])];
+        arrival_child_[size_t(table[h])] = int32_t(i);
+        arrival_has_parent_[i] = 1;
+        break;
+      }
+    }
   }
-  std::sort(kids.begin(), kids.end());
-  arrival_done_.assign(order.size(), 0);
-  for (size_t i = 0; i < order.size(); ++i) {
-    for (size_t at = i; !arrival_done_[at];) {
-      arrival_done_[at] = 1;
-      int32_t id = order[at].second;
-      note(KV_STORED, id);
-      int64_t key = int64_t(pt_[id].block) << 8 | pt_[id].lc;
-      auto it = std::lower_bound(kids.begin(), kids.end(), std::pair<int64_t, int32_t>{key, INT32_MIN});
-      for (; it != kids.end() && it->first == key; ++it)
-        if (!arrival_done_[size_t(it->second)]) { at = size_t(it->second); break; }
+  auto& stack = arrival_stack_;
+  for (size_t i = 0; i < n; ++i) {
+    if (arrival_has_parent_[i] || !logged(pt_[batch[i]])) continue;
+    stack.assign(1, int32_t(i));
+    while (!stack.empty()) {
+      int32_t at = stack.back();
+      stack.pop_back();
+      note(KV_STORED, batch[size_t(at)]);
+      // the first child next (the chain goes on), its siblings after its subtree
+      int32_t c = arrival_child_[size_t(at)];
+      size_t mark = stack.size();
+      for (; c >= 0; c = arrival_sibling_[size_t(c)]) stack.push_back(c);
+      std::reverse(stack.begin() + std::ptrdiff_t(mark), stack.end());
     }
   }
 }

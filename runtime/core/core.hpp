@@ -435,10 +435,12 @@ class Core {
   std::vector<RecoveredRecord> pending_records_;
   KvEventLog kv_events_;
   KvEventFormat kv_format_;
-  // note_arrivals' scratch: (depth, page), ((parent block, lc), position), done flags
-  std::vector<std::pair<int32_t, int32_t>> arrivals_;
-  std::vector<std::pair<int64_t, int32_t>> arrival_kids_;
-  std::vector<uint8_t> arrival_done_;
+  // note_arrivals' scratch, per position in the landed batch: an open-addressing table of
+  // (block, lc) -> position (-1: empty), each page's first child and next sibling among the
+  // batch (-1: none), whether its parent is in the batch, and the walk's stack
+  std::vector<int32_t> arrival_table_;
+  std::vector<int32_t> arrival_child_, arrival_sibling_, arrival_stack_;
+  std::vector<uint8_t> arrival_has_parent_;
 };
 
 }  // namespace kvtier
