@@ -63,7 +63,7 @@ MEDIUM = {GPU: "GPU", HOST: "CPU_PINNED", DISK: "DISK", REMOTE: "EXTERNAL"}
 _PACKER = msgpack.Packer()                  # for array headers around events the core encoded
 FLUSH_ENTRIES = 4096                        # log entries encoded per loop turn (0.1-1 ms)
 HOLD_BYTES = 64 << 20                       # events held back while the publisher's queue is full
-EMIT_BYTES = 1 << 20                        # a flush's chunks go out as one batch up to this size: each
+EMIT_BYTES = 1 << 20                        # a flush's chunks go out as one batch, sent once this big: each
                                             # batch wakes the publisher's thread (268 a replay were 15 % of
                                             # the events' cost with a host tier)
 
@@ -148,7 +148,7 @@ class KvEvents:
 
     async def _flush_async(self, force: bool = False) -> None:
         """Everything logged so far, encoded a chunk per loop turn (a recovery logs millions),
-        sent as one batch (up to ``EMIT_BYTES`` each)."""
+        sent as one batch (sent once it reaches ``EMIT_BYTES``: at most one chunk more)."""
         while self._take():
             if self.pending_bytes >= EMIT_BYTES:
                 self._emit(force)

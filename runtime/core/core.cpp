@@ -181,7 +181,7 @@ void Core::note_arrivals(const Ids& batch) {
     const Page& p = pt_[batch[i]];
     if (!logged(p)) continue;
     size_t h = slot_of(p.block, p.lc);
-    while (table[h] >= 0) h = (h + 1) & mask;      // a (block, lc) lands once per batch
+    while (table[h] >= 0) h = (h + 1) & mask;      // linear probing: the table is at least twice the batch
     table[h] = int32_t(i);
   }
   for (size_t i = n; i-- > 0;) {                   // backwards: children listed in batch order
