@@ -608,7 +608,8 @@ class Store:
                 return
 
     def check_consistency(self) -> None:
-        """Assert the bookkeeping invariants (tests and ``kvtier stress`` call it)."""
+        """Assert the bookkeeping invariants (tests and ``kvtier stress`` call it) at rest:
+        after ``drain()``, as a move in flight holds slots no page owns yet."""
         try:
             self.core.check()
         except CoreError as exc:

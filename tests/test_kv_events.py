@@ -27,9 +27,10 @@ STORED_FIELDS = ["type", "block_hashes", "parent_block_hash", "token_ids", "bloc
 class RouterIndex:
     """What a KV-aware router keeps: (block hash, medium, group) from the events alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, parents: dict[int, int | None] | None = None) -> None:
         self.held: set[tuple[int, str, int]] = set()
         self.batches = 0
+        self.parents = parents          # each block hash's true parent, to check the chains against
 
     def apply(self, batch: list) -> None:
         ts, events, rank = batch
@@ -47,6 +48,13 @@ class RouterIndex:
                 assert n and len(e["token_ids"]) in (0, n * bs)
                 assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in e["block_hashes"])
                 assert e["lora_id"] is None and e["lora_name"] is None
+                if self.parents is not None:        # a chain: each block the parent of the next ...
+                    for i, h in enumerate(e["block_hashes"]):
+                        parent = e["block_hashes"][i - 1] if i else e["parent_block_hash"]
+                        assert self.parents.get(h, parent) == parent, (h, parent, e)
+                        # ... and a full-attention block's parent is held somewhere before it is
+                        assert parent is None or e["group_idx"] or i or \
+                            any(p == parent and g == 0 for p, _, g in self.held), ("parent after child", e)
                 self.held.update((h, e["medium"], e["group_idx"]) for h in e["block_hashes"])
             else:
                 assert e["type"] == "BlockRemoved" and list(e) == ["type", "block_hashes", "medium", "group_idx"]
@@ -104,6 +112,37 @@ async def test_an_index_built_from_events_equals_every_tier(tmp_path):
         assert media == {"GPU", "CPU_PINNED", "DISK"}       # every tier took part
         st = store.stats()
         assert st["drops"] > 0 and st["events"]["dropped"] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_chains_name_their_true_parents_after_every_step(tmp_path, seed):
+    """Randomized (seeded) configurations, write-through on or off, one or two life cycles, a
+    restart: after every request the events' index equals every tier, and each BlockStored's
+    blocks form a chain under their true parents (int block keys are their own hashes). Moves
+    land batches whose pages' parents are among them, the chains the core orders and merges."""
+    rng = random.Random(seed)
+    kw = dict(gpu=rng.choice([16, 24]), host=rng.choice([32, 48]), disk=rng.choice([64, 256]),
+              disk_dir=tmp_path, events=EventsConfig())
+    if rng.random() < 0.5:
+        kw["layers"] = two_life_cycles()
+    cfg = config(**kw)
+    cfg.host.write, cfg.host.write_interval = rng.choice(["back", "through"]), 0.002
+    cfg.disk.write, cfg.disk.write_interval = rng.choice(["back", "through"]), 0.002
+    parents: dict[int, int | None] = {}
+    index = RouterIndex(parents)
+    for _ in range(2):                                      # the second life recovers from disk
+        async with Store.open(cfg) as store:
+            index.feed(store)
+            for path in workload(seed, 60):
+                keys = chain_keys(path)
+                parents.update(zip(keys, [None] + keys[:-1]))
+                await prefill_keys(store, keys)
+                if rng.random() < 0.2:
+                    await store.drain()
+                index.feed(store)
+                assert index.held == store.kv_events.holdings()
+            await store.drain()
+            store.check_consistency()
 
 
 @pytest.mark.parametrize("host_write,disk_write", [("through", "back"), ("back", "through"), ("through", "through")])
