@@ -149,29 +149,28 @@ class KvEvents:
     async def _flush_async(self, force: bool = False) -> None:
         """Everything logged so far, encoded a chunk per loop turn (a recovery logs millions),
         sent as one batch (sent once it reaches ``EMIT_BYTES``: at most one chunk more)."""
-        while self._take():
-            if self.pending_bytes >= EMIT_BYTES:
-                self._emit(force)
+        while self._take(force):
             await asyncio.sleep(0)
         self._emit(force)
 
     # -- the log into batches -----------------------------------------------------------
     def flush(self) -> None:
         """Everything the core logged so far becomes batches, now, in one go."""
-        while self._take():
-            if self.pending_bytes >= EMIT_BYTES:
-                self._emit(True)
+        while self._take(True):
+            pass
         self._emit(True)
 
-    def _take(self) -> bool:
-        """At most ``FLUSH_ENTRIES`` log entries, encoded, onto the pending batch; True while
-        more remain."""
+    def _take(self, force: bool) -> bool:
+        """At most ``FLUSH_ENTRIES`` log entries, encoded, onto the pending batch (sent once it
+        reaches ``EMIT_BYTES``); True while more remain."""
         core = self.store.core
         if core.kv_event_count():
             n, body = core.take_kv_event_payload(FLUSH_ENTRIES)
             self.pending.append(body)
             self.n_pending += n
             self.pending_bytes += len(body)
+            if self.pending_bytes >= EMIT_BYTES:
+                self._emit(force)
         return core.kv_event_count() > 0
 
     def _emit(self, force: bool = False) -> None:

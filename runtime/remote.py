@@ -69,34 +69,34 @@ class RemoteLink:
             await self.tier.close()
 
     # -- reads ------------------------------------------------------------------------------
-    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, list]:
-        """Import the remote run after the local match of sequence ``sid``: (blocks imported,
-        whether the sequence should be matched again: blocks may have arrived meanwhile, each
-        imported block's pages per host group). The match again may stop short of them (a
-        window's page the server lacked): ``count_matched`` counts those it reached."""
+    async def extend_match(self, sid: int, keys: list, matched: int) -> tuple[list, bool]:
+        """Import the remote run after the local match of sequence ``sid``: (each imported
+        block's pages per host group, whether the sequence should be matched again: blocks may
+        have arrived meanwhile). The match again may stop short of them (a window's page the
+        server lacked): ``count_matched`` counts those it reached."""
         try:
             return await self._extend_match(sid, keys, matched)
         except (KvtierError, OSError) as exc:      # making room failed (all locked, disk full, I/O): a miss
             log.debug("remote tier: import skipped: %r", exc)
-            return 0, True, []
+            return [], True
 
-    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[int, bool, list]:
+    async def _extend_match(self, sid: int, keys: list, matched: int) -> tuple[list, bool]:
         store, tier = self.store, self.tier
         n = min(len(keys) - matched, MAX_LOOKUP_BLOCKS)
         if n <= 0 or tier is None or not self.lcs or tier.circuit_state() == "open":
-            return 0, False, []
+            return [], False
         per = len(self.lcs)
         idents = [(bk, lc) for bk in map(block_key_bytes, keys[matched:matched + n]) for lc in self.lcs]
         have = await tier.exists(tier.page_keys(idents))
         run = self._run(have, matched, n)
         if run == 0 or store.closed or store.closing:
-            return 0, False, []
+            return [], False
         core, groups = store.core, [store.group_of[HOST][lc] for lc in self.lcs]
         per_group = collections.Counter(groups)
         # at most half of each host group: the import must not evict what this request needs
         run = min([run] + [core.capacity(HOST, g) // (2 * k) for g, k in per_group.items()])
         if run <= 0:
-            return 0, False, []
+            return [], False
         counts = {g: run * k for g, k in per_group.items()}
         slots = await store.moves.obtain_many(HOST, counts)      # evicts (and cascades) as a promotion would
         try:
@@ -123,7 +123,7 @@ class RemoteLink:
         # reaches as host hits, which the store counts as remote instead
         pages = [collections.Counter(groups[j] for j, lc in enumerate(self.lcs) if by_lc[lc][i] >= 0)
                  for i in range(imported)]
-        return imported, True, pages
+        return pages, True
 
     def count_matched(self, pages: list[collections.Counter]) -> None:
         """The imported blocks the sequence's match reached (their pages per host group): the
@@ -172,7 +172,7 @@ class RemoteLink:
     # -- writes -----------------------------------------------------------------------------
     def reserve(self, pages: int, page_bytes: int) -> int:
         """Reserve write-through room for up to ``pages`` pages of ``page_bytes`` about to be
-        sent: how many got it (the caller skips and counts the rest, ``pick``). Write-through
+        sent: how many got it (the caller skips and counts the rest, as ``send`` does). Write-through
         never waits and keeps at most ``max_inflight_bytes`` in flight (a single page larger
         than that goes when nothing else is). All or nothing, a demotion batch of pages of
         megabytes (512 of 2 MiB: 1 GiB) never fitted the default bound."""

@@ -118,7 +118,7 @@ class Store:
         self.write_throughs = {t: WriteThrough(self, c, t) for t, c in ((DISK, cfg.disk), (HOST, cfg.host))
                                if c is not None and c.write == "through"}
         self._recounted = [0, 0, 0, 0]     # lookups and hits of first opens that a remote import re-matched
-        self._recounted_pages: list[list[int]] = [[], [], []]     # and their hit_pages, [tier][group]
+        self._recounted_pages: list[list[int]] = []     # and their hit_pages, [tier][group] (made in _build)
 
     # -- life of the store ------------------------------------------------------------
     @classmethod
@@ -255,6 +255,7 @@ class Store:
         lcs = [(lc.kind == "ssm", lc.window_tokens or 0, lc.sink_tokens, _REUSE_CODE[lc.reuse]) for lc in self.lcs]
         group_of = [[g if capacity[t] else -1 for g in row] for t, row in enumerate(self.group_of)]
         self.core = Core(self.tpb, lcs, group_of, capacity, prefault_pages=CORE_PREFAULT_PAGES)
+        self._recounted_pages = [[0] * len(row) for row in capacity]
         for t in self.tier_ids:
             # a demotion batch beyond a request's own need (the reserve's, the line's) is at most a
             # quarter of the next tier's smallest group (MAX_BATCH at most), so that the next tier
@@ -417,12 +418,12 @@ class Store:
         if self.remote is not None:
             remote = 0
             if matched < len(keys):
-                remote, again, imported_pages = await self._remote_import(sid, keys, matched)
+                imported, again = await self._remote_import(sid, keys, matched)
                 if again:                       # matched again, over the imported blocks (or another's)
                     core.close(sid)
                     before, after = counted
                     for t, (b, a) in enumerate(zip(before, after)):
-                        row = self._recounted_pages[t] = self._recounted_pages[t] or [0] * len(a)
+                        row = self._recounted_pages[t]
                         for g in range(len(a)):
                             row[g] += a[g] - b[g]
                     self._recounted[0] += len(keys)
@@ -432,13 +433,14 @@ class Store:
                     sid, matched, by_tier = core.open(keys, priority)
                     # the imported blocks this match reached (a window's page the server lacked can
                     # end it early) count as remote hits, not host, and so do their pages
-                    remote = max(0, min(remote, matched - first))
+                    reached = imported[:max(0, matched - first)]
+                    remote = len(reached)
                     self._recounted[1 + HOST] += remote
-                    row = self._recounted_pages[HOST] = self._recounted_pages[HOST] or [0] * core.n_groups(HOST)
-                    for pages in imported_pages[:remote]:
+                    row = self._recounted_pages[HOST]
+                    for pages in reached:
                         for g, n in pages.items():
                             row[g] += n
-                    self.remote.count_matched(imported_pages[:remote])
+                    self.remote.count_matched(reached)
                     self._keep_tokens(sid, token_arr, len(keys))
         return Sequence(self, sid, keys, token_arr, priority, matched, by_tier, remote)
 
@@ -457,7 +459,7 @@ class Store:
         if token_arr is not None and self.kv_events is not None:
             self.kv_events.tokens(sid, 0, token_arr[:n_keys * self.tpb])
 
-    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[int, bool, list]:
+    async def _remote_import(self, sid: int, keys: list, matched: int) -> tuple[list, bool]:
         """The remote run after sequence ``sid``'s match, imported by a task of the store's
         own: a caller cancelled meanwhile leaves it to finish (its moves and slots settle),
         and the sequence is closed then."""
